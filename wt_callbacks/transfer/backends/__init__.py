@@ -1,0 +1,1 @@
+"""One module per backend; each holds its trainer engine and its worker engine."""

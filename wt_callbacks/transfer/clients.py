@@ -1,0 +1,375 @@
+"""Control-plane clients: how the trainer talks to inference servers.
+
+``HTTPVLLMWeightSyncClient`` speaks vLLM's RL HTTP routes (dev mode);
+``RayVLLMWeightSyncClient`` calls the same methods on ``LLM``/``AsyncLLM``
+Ray actors (or our ``RayReceiver``). Both implement ``VLLMWeightSyncClient``.
+
+Several servers are driven as one unit: every call fans out concurrently and
+fails if any server fails. At init each independent server gets its own
+``rank_offset`` in one transfer group (1 + the world sizes of the servers
+before it), so one broadcast from the trainer reaches all of them. Without
+that, independent servers would all claim ranks ``1..n`` and collide.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from wt_callbacks.transfer.base import (
+    WeightTransferError,
+    WeightTransferInitRequest,
+    WeightTransferUpdatePayload,
+    WeightTransferUpdateRequest,
+)
+
+T = TypeVar("T")
+
+API_KEY_ENV = "VLLM_API_KEY"
+"""Env var read for the bearer token when ``api_key`` is not given (vLLM's own)."""
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+DEV_MODE_HINT = (
+    "the server does not serve vLLM's weight-transfer routes: start vLLM with "
+    "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{\"backend\": \"torch_dist\"}' "
+    "(and wt-callbacks installed in its environment)"
+)
+
+
+class WeightSyncHTTPError(WeightTransferError):
+    """A server answered an RL route with an error status, or not at all."""
+
+    def __init__(self, message: str, *, url: str, status: int | None = None, body: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+        self.status = status
+        self.body = body
+
+
+def assign_rank_offsets(
+    init_info: Mapping[str, Any], world_sizes: Sequence[int]
+) -> list[dict[str, Any]]:
+    """One init dict per server, each with its own ``rank_offset``.
+
+    Server i gets ``init_info["rank_offset"] + sum(world_sizes[:i])``; the
+    group's ``world_size`` must cover the trainer and every server. Init dicts
+    without ``rank_offset`` (backends without a group) are sent unchanged.
+    """
+    if "rank_offset" not in init_info:
+        return [dict(init_info) for _ in world_sizes]
+    first = int(init_info["rank_offset"])
+    needed = first + sum(world_sizes)
+    if "world_size" in init_info and int(init_info["world_size"]) != needed:
+        raise ValueError(
+            f"init_info world_size={init_info['world_size']} does not match the servers: "
+            f"rank_offset {first} + server world sizes {list(world_sizes)} = {needed}; "
+            f"set world_size to {needed} (or leave it out to have it computed)"
+        )
+    payloads, offset = [], first
+    for size in world_sizes:
+        payloads.append({**init_info, "rank_offset": offset})
+        offset += size
+    return payloads
+
+
+class _FanOut:
+    """Runs one call per server concurrently; raises the first failure."""
+
+    def __init__(self, n: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="wt-fanout") if n > 1 else None
+
+    def map(self, fn: Callable[[int], T], n: int) -> list[T]:
+        if self._pool is None:
+            return [fn(i) for i in range(n)]
+        futures = [self._pool.submit(fn, i) for i in range(n)]
+        errors = [f.exception() for f in futures]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class HTTPVLLMWeightSyncClient:
+    """Talks to one or more vLLM servers over the RL HTTP routes.
+
+    Args:
+        base_url: ``"http://host:port"`` or a list of them (driven as one
+            unit: concurrent fan-out, distinct ``rank_offset`` per server).
+        timeout: seconds per request (connect + read).
+        timeouts: per-method overrides, e.g. ``{"update_weights": 900}``;
+            keys are this class's method names.
+        api_key: bearer token for servers started with ``--api-key``;
+            defaults to the ``VLLM_API_KEY`` environment variable.
+
+    Errors raise ``WeightSyncHTTPError`` carrying the URL, the status and the
+    server's response body. A 404 on a weight route means the server runs
+    without ``VLLM_SERVER_DEV_MODE=1`` (or without a weight-transfer config)
+    and says so.
+    """
+
+    def __init__(
+        self,
+        base_url: str | Sequence[str],
+        timeout: float = 300,
+        *,
+        timeouts: Mapping[str, float] | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        import requests
+
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("base_url: give at least one server URL")
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"base_url: {url!r} is not an http(s) URL such as 'http://127.0.0.1:8000'")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"base_url: the same server is listed twice: {urls}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        unknown = set(timeouts or {}) - {
+            n for n, v in vars(type(self)).items() if not n.startswith("_") and callable(v)
+        }
+        if unknown:
+            raise ValueError(f"timeouts: unknown method names {sorted(unknown)}")
+        self.base_urls = [u.rstrip("/") for u in urls]
+        self.timeout = float(timeout)
+        self.timeouts = dict(timeouts or {})
+        token = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._sessions = [requests.Session() for _ in self.base_urls]
+        self._fan_out = _FanOut(len(self.base_urls))
+        self._world_sizes: list[int] | None = None
+
+    @property
+    def base_url(self) -> str:
+        """The first server's URL (the seed's single-server attribute)."""
+        return self.base_urls[0]
+
+    # -- transport ---------------------------------------------------------
+
+    def _request(
+        self,
+        i: int,
+        method: str,
+        path: str,
+        *,
+        call: str,
+        json: Any = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> Any:
+        import requests
+
+        url = f"{self.base_urls[i]}/{path}"
+        timeout = self.timeouts.get(call, self.timeout)
+        try:
+            response = self._sessions[i].request(
+                method, url, json=json, params=params, headers=self._headers, timeout=timeout
+            )
+        except requests.Timeout as e:
+            raise WeightSyncHTTPError(
+                f"{method} {url}: no answer within {timeout:g} s "
+                f"(raise timeouts['{call}'] if the server is just slow)",
+                url=url,
+            ) from e
+        except requests.ConnectionError as e:
+            raise WeightSyncHTTPError(
+                f"{method} {url}: cannot reach the server ({e.__class__.__name__}); "
+                "check that it is running and that the URL is right",
+                url=url,
+            ) from e
+        if response.status_code >= 400:
+            body = response.text[:2000]
+            if response.status_code == 404:
+                detail = DEV_MODE_HINT
+            elif response.status_code in (401, 403):
+                detail = f"the server refused the token: pass api_key= or set {API_KEY_ENV}"
+            else:
+                detail = "the server rejected the call"
+            raise WeightSyncHTTPError(
+                f"{method} {url} -> HTTP {response.status_code}: {detail}. Response body: {body}",
+                url=url,
+                status=response.status_code,
+                body=body,
+            )
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    def _all(self, method: str, path: str, *, call: str, json: Any = None, params: Any = None) -> list[Any]:
+        return self._fan_out.map(
+            lambda i: self._request(i, method, path, call=call, json=json, params=params),
+            len(self.base_urls),
+        )
+
+    # -- VLLMWeightSyncClient ---------------------------------------------
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """POST ``/init_weight_transfer_engine`` to every server, each with its
+        own ``rank_offset`` (see ``assign_rank_offsets``)."""
+        if len(self.base_urls) == 1:
+            payloads = [dict(init_info)]
+        else:
+            payloads = assign_rank_offsets(init_info, self.world_sizes())
+        self._fan_out.map(
+            lambda i: self._request(
+                i,
+                "POST",
+                "init_weight_transfer_engine",
+                call="init_weight_transfer_engine",
+                json={"init_info": payloads[i]},
+            ),
+            len(self.base_urls),
+        )
+
+    def start_weight_update(self) -> None:
+        self._all("POST", "start_weight_update", call="start_weight_update")
+
+    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        self._all("POST", "update_weights", call="update_weights", json={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = None if weight_version is None else {"weight_version": weight_version}
+        self._all("POST", "finish_weight_update", call="finish_weight_update", json=body)
+
+    # -- helpers outside the protocol -------------------------------------
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._all("POST", "shutdown_weight_transfer_engine", call="shutdown_weight_transfer_engine")
+
+    def pause(self, mode: str = "keep", *, clear_cache: bool = True) -> None:
+        """Pause generation on every server (``abort`` | ``wait`` | ``keep``)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+        params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
+        self._all("POST", "pause", call="pause", params=params)
+
+    def resume(self) -> None:
+        self._all("POST", "resume", call="resume")
+
+    def is_paused(self) -> list[bool]:
+        return [bool(r["is_paused"]) for r in self._all("GET", "is_paused", call="is_paused")]
+
+    def world_sizes(self) -> list[int]:
+        """Each server's inference world size (TP*PP*DP), asked once and cached."""
+        if self._world_sizes is None:
+            answers = self._all("GET", "get_world_size", call="get_world_size", params={"include_dp": "true"})
+            self._world_sizes = [int(a["world_size"]) for a in answers]
+        return list(self._world_sizes)
+
+    def get_world_size(self) -> int:
+        """Total inference world size over all servers (the group holds 1 + this)."""
+        return sum(self.world_sizes())
+
+    def weight_info(self) -> list[dict[str, Any]]:
+        """``GET /weight_info`` of every server, in ``base_urls`` order."""
+        return self._all("GET", "weight_info", call="weight_info")
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._all("POST", "update_weight_version", call="update_weight_version", json={"new_version": new_version})
+
+    def close(self) -> None:
+        self._fan_out.close()
+        for s in self._sessions:
+            s.close()
+
+
+class RayVLLMWeightSyncClient:
+    """Talks to one or more vLLM ``LLM``/``AsyncLLM`` Ray actors.
+
+    Args:
+        handle: an actor handle, a named actor's name, or a list of either.
+        timeout: seconds to wait for each fan-out call.
+        namespace: Ray namespace for named actors.
+        shared_group: ``True`` when the actors are DP ranks of *one* vLLM
+            deployment (they compute distinct ranks themselves from their
+            ``data_parallel_index``): all get the same init info, as in vLLM.
+            ``False`` (default) for independent servers: each gets its own
+            ``rank_offset``.
+        world_sizes: each actor's inference world size; when omitted it is
+            asked from the actors' ``get_world_size()`` method.
+    """
+
+    def __init__(
+        self,
+        handle: Any,
+        *,
+        timeout: float = 300,
+        namespace: str | None = None,
+        shared_group: bool = False,
+        world_sizes: Sequence[int] | None = None,
+    ) -> None:
+        import ray
+
+        items = handle if isinstance(handle, (list, tuple)) else [handle]
+        if not items:
+            raise ValueError("handle: give at least one Ray actor handle or actor name")
+        self.handles = [ray.get_actor(h, namespace=namespace) if isinstance(h, str) else h for h in items]
+        if world_sizes is not None and len(world_sizes) != len(self.handles):
+            raise ValueError(
+                f"world_sizes has {len(world_sizes)} entries for {len(self.handles)} actors"
+            )
+        self.timeout = float(timeout)
+        self.shared_group = shared_group
+        self._world_sizes = list(world_sizes) if world_sizes is not None else None
+
+    def _get(self, refs: list[Any], what: str) -> list[Any]:
+        import ray
+
+        try:
+            return ray.get(refs, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WeightTransferError(f"Ray actors did not finish {what} within {self.timeout:g} s") from e
+
+    def world_sizes(self) -> list[int]:
+        if self._world_sizes is None:
+            try:
+                refs = [h.get_world_size.remote() for h in self.handles]
+            except AttributeError as e:
+                raise ValueError(
+                    "the actors have no get_world_size() method: pass world_sizes=[...] "
+                    "to RayVLLMWeightSyncClient"
+                ) from e
+            self._world_sizes = [int(s) for s in self._get(refs, "get_world_size")]
+        return list(self._world_sizes)
+
+    def get_world_size(self) -> int:
+        if self.shared_group:
+            return self.world_sizes()[0]
+        return sum(self.world_sizes())
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        if self.shared_group or len(self.handles) == 1:
+            payloads = [dict(init_info)] * len(self.handles)
+        else:
+            payloads = assign_rank_offsets(init_info, self.world_sizes())
+        refs = [
+            h.init_weight_transfer_engine.remote(WeightTransferInitRequest(init_info=p))
+            for h, p in zip(self.handles, payloads)
+        ]
+        self._get(refs, "init_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self._get([h.start_weight_update.remote() for h in self.handles], "start_weight_update")
+
+    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        request = WeightTransferUpdateRequest(update_info=update_info)
+        self._get([h.update_weights.remote(request) for h in self.handles], "update_weights")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._get([h.finish_weight_update.remote() for h in self.handles], "finish_weight_update")
+        if weight_version is not None:
+            self.update_weight_version(weight_version)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._get([h.update_weight_version.remote(new_version) for h in self.handles], "update_weight_version")

@@ -1,0 +1,173 @@
+"""The packed broadcast: many tensors per collective, in bounded memory.
+
+One collective per tensor costs a round trip per tensor; one collective for
+the whole model costs a full copy of it. Packing cuts the stream into chunks
+of about ``buffer_size_bytes`` and broadcasts one flat ``uint8`` buffer per
+chunk, rotating over ``num_buffers`` buffers so that packing chunk k+1
+(including its FSDP gathers) overlaps the broadcast of chunk k.
+
+The chunk cut rule is vLLM's (``packed_tensor.py``), and both sides derive it
+from the same metadata, so they agree without sending boundaries: tensors are
+appended in order and the chunk closes right after the tensor that makes the
+running total *strictly greater* than the buffer size. A chunk can therefore
+exceed the buffer by up to its last tensor; a tensor larger than the buffer
+forms (the end of) a chunk of its own.
+
+The functions here are transport-agnostic: they take ``broadcast(tensor) ->
+work`` and ``wait(work)`` callables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+Broadcast = Callable[[torch.Tensor], Any]
+Wait = Callable[[Any], None]
+
+
+def plan_chunks(nbytes: Sequence[int], buffer_size_bytes: int) -> list[range]:
+    """Index ranges of the chunks for tensors of the given byte sizes."""
+    if buffer_size_bytes <= 0:
+        raise ValueError(f"packed_buffer_size_bytes must be > 0, got {buffer_size_bytes}")
+    chunks: list[range] = []
+    start, total = 0, 0
+    for i, n in enumerate(nbytes):
+        total += n
+        if total > buffer_size_bytes:
+            chunks.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(nbytes):
+        chunks.append(range(start, len(nbytes)))
+    return chunks
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view of a tensor (copying only if it is not contiguous)."""
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def broadcast_packed(
+    tensors: Iterable[torch.Tensor],
+    *,
+    buffer_size_bytes: int,
+    num_buffers: int,
+    broadcast: Broadcast,
+    wait: Wait,
+    capacity_hint: int | None = None,
+    device: torch.device | str = "cpu",
+) -> int:
+    """Sender side: pack ``tensors`` into chunks and broadcast each one.
+
+    Each tensor is copied into the current buffer as soon as it is yielded,
+    so a gathered FSDP tensor is released before the next gather. Buffers are
+    allocated once per call with ``capacity_hint`` bytes (the largest planned
+    chunk) and reused round-robin; a buffer is refilled only after its
+    previous broadcast completed. Returns the number of bytes sent.
+
+    Peak extra memory: ``num_buffers`` buffers plus the tensor being copied.
+    """
+    if num_buffers < 1:
+        raise ValueError(f"packed_num_buffers must be >= 1, got {num_buffers}")
+    capacity = max(capacity_hint or buffer_size_bytes, 1)
+    buffers: list[torch.Tensor | None] = [None] * num_buffers
+    in_flight: list[Any] = [None] * num_buffers
+    slot, fill, sent = 0, 0, 0
+
+    def current() -> torch.Tensor:
+        if in_flight[slot] is not None:
+            wait(in_flight[slot])
+            in_flight[slot] = None
+        buf = buffers[slot]
+        if buf is None:
+            buf = buffers[slot] = torch.empty(capacity, dtype=torch.uint8, device=device)
+        return buf
+
+    def flush() -> None:
+        nonlocal slot, fill, sent
+        buf = buffers[slot]
+        assert buf is not None
+        in_flight[slot] = broadcast(buf[:fill])
+        sent += fill
+        slot, fill = (slot + 1) % num_buffers, 0
+
+    for tensor in tensors:
+        data = _as_bytes(tensor)
+        n = data.numel()
+        buf = current()
+        if fill + n > buf.numel():
+            # Only without a plan hint (the static older call style): grow the
+            # buffer, keeping what is already packed.
+            grown = torch.empty(fill + n, dtype=torch.uint8, device=device)
+            grown[:fill].copy_(buf[:fill])
+            buf = buffers[slot] = grown
+        buf[fill : fill + n].copy_(data)
+        fill += n
+        del data, tensor
+        if fill > buffer_size_bytes:
+            flush()
+    if fill:
+        flush()
+    for work in in_flight:
+        if work is not None:
+            wait(work)
+    return sent
+
+
+def receive_packed(
+    metas: Sequence[tuple[torch.dtype, Sequence[int]]],
+    *,
+    buffer_size_bytes: int,
+    num_buffers: int,
+    broadcast: Broadcast,
+    wait: Wait,
+    device: torch.device | str = "cpu",
+) -> Iterator[torch.Tensor]:
+    """Receiver side: yield one tensor per ``(dtype, shape)`` in order.
+
+    Receives of the next ``num_buffers - 1`` chunks are posted before the
+    current chunk is handed out, so unpacking/loading chunk k overlaps the
+    transfer of chunk k+1. Each chunk gets a fresh buffer: the yielded tensors
+    are views into it, and a loader may keep them (vLLM's layerwise reload
+    does) without the next chunk overwriting them.
+    """
+    sizes = [_numel(shape) * dtype.itemsize for dtype, shape in metas]
+    chunks = plan_chunks(sizes, buffer_size_bytes)
+    pending: list[tuple[range, torch.Tensor, Any]] = []
+    next_chunk = 0
+
+    def post() -> None:
+        nonlocal next_chunk
+        chunk = chunks[next_chunk]
+        buf = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8, device=device)
+        pending.append((chunk, buf, broadcast(buf)))
+        next_chunk += 1
+
+    while next_chunk < len(chunks) and len(pending) < max(num_buffers, 1):
+        post()
+    while pending:
+        chunk, buf, work = pending.pop(0)
+        wait(work)
+        if next_chunk < len(chunks):
+            post()
+        offset = 0
+        for i in chunk:
+            dtype, shape = metas[i]
+            yield unpack(buf[offset : offset + sizes[i]], dtype, shape)
+            offset += sizes[i]
+
+
+def unpack(data: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """View a uint8 slice as ``dtype``/``shape`` (copied when misaligned)."""
+    if data.storage_offset() % dtype.itemsize:
+        data = data.clone()
+    return data.view(dtype).view(tuple(shape))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
