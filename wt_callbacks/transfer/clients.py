@@ -367,9 +367,10 @@ class RayVLLMWeightSyncClient:
         self._get([h.update_weights.remote(request) for h in self.handles], "update_weights")
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._get([h.finish_weight_update.remote() for h in self.handles], "finish_weight_update")
-        if weight_version is not None:
-            self.update_weight_version(weight_version)
+        # vLLM's LLM/AsyncLLM take the version in the same call, so the
+        # version switches atomically with the weights.
+        args = () if weight_version is None else (weight_version,)
+        self._get([h.finish_weight_update.remote(*args) for h in self.handles], "finish_weight_update")
 
     def update_weight_version(self, new_version: str) -> None:
         self._get([h.update_weight_version.remote(new_version) for h in self.handles], "update_weight_version")

@@ -288,16 +288,22 @@ class TransferGroup:
         """Join the group (blocks until every rank joined, at most ``timeout_s``)."""
         prefix = dist.PrefixStore(_STORE_PREFIX, store)
         timeout = datetime.timedelta(seconds=timeout_s)
-        if transport == "nccl":
-            # Untested here (no GPU): the CPU build of torch has no NCCL.
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-        else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address_towards(master_address))]
-            pg = dist.ProcessGroupGloo(prefix, rank, world_size, opts)
+        try:
+            if transport == "nccl":
+                # Untested here (no GPU): the CPU build of torch has no NCCL.
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+            else:
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timeout
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address_towards(master_address))]
+                pg = dist.ProcessGroupGloo(prefix, rank, world_size, opts)
+        except (RuntimeError, OSError) as e:
+            raise WeightTransferError(
+                f"the transfer group of world_size={world_size} did not form within timeout_s={timeout_s:g} "
+                f"(this is rank {rank}): {e}. world_size must be 1 + all inference workers of all servers"
+            ) from e
         return cls(store, pg, rank, world_size, device)
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
@@ -349,7 +355,19 @@ def _wait_work(work: Any, *, timeout_s: float, server_call: Future | None = None
             raise WeightTransferError(f"broadcast did not complete within timeout_s={timeout_s:g}")
         time.sleep(pause)
         pause = min(pause * 2, 5e-3)
-    work.wait()
+    try:
+        work.wait()
+    except RuntimeError as e:
+        # A server that refused the update leaves the group, so our broadcast
+        # fails too; its own answer says why, the socket error does not.
+        if server_call is not None:
+            try:
+                server_error = server_call.exception(timeout=5)
+            except TimeoutError:
+                server_error = None
+            if server_error is not None:
+                raise WeightTransferError(f"update_weights failed on the server: {server_error}") from e
+        raise WeightTransferError(f"broadcast to the servers failed (did a server crash?): {e}") from e
 
 
 # --------------------------------------------------------------------------- #
@@ -526,18 +544,13 @@ class TorchDistTrainerWeightTransferEngine(
         while not (joined.done() and server_call.done()):
             _raise_if_failed(server_call, "init_weight_transfer_engine")
             if joined.done() and joined.exception() is not None:
-                raise WeightTransferError(
-                    f"the transfer group did not form (world_size={world_size}; does it equal 1 + "
-                    f"the servers' workers?): {joined.exception()}"
-                ) from joined.exception()
+                raise joined.exception()
             if time.monotonic() > deadline:
                 raise WeightTransferError(
                     f"rendezvous with the servers did not finish within timeout_s={timeout_s:g}"
                 )
             time.sleep(0.01)
         _raise_if_failed(server_call, "init_weight_transfer_engine")
-        if joined.exception() is not None:
-            raise WeightTransferError(f"the transfer group did not form: {joined.exception()}") from joined.exception()
         self.group = joined.result()
         logger.info(
             "torch_dist: %s group of %d ranks formed on %s:%d",

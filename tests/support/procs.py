@@ -1,0 +1,82 @@
+"""Receiver subprocesses for tests: started with bounded waits, stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ReceiverProcess:
+    proc: subprocess.Popen
+    url: str
+    output: list[str] = field(default_factory=list)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, as far as the trainer can tell."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.output)
+
+
+def start_receiver(
+    factory: str = "tests.support.models:tiny_mlp",
+    *,
+    port: int = 0,
+    extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+) -> ReceiverProcess:
+    """Start ``python -m wt_callbacks.receiver`` and wait for its URL line."""
+    child_env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    child_env.update(env or {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wt_callbacks.receiver", "--port", str(port), *extra_args]
+        + (["--module-factory", factory] if factory else []),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env,
+        cwd=REPO_ROOT,
+    )
+    output: list[str] = []
+    found: list[str] = []
+    marker = "serving on "
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+            if marker in line and not found:
+                found.append(line.split(marker, 1)[1].strip())
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not found and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not found:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        raise RuntimeError(f"receiver did not start within {timeout_s} s:\n{''.join(output)}")
+    return ReceiverProcess(proc, found[0], output)

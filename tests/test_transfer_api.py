@@ -1,0 +1,429 @@
+"""Contracts of the weight-transfer API, each error message included."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import requests
+import torch
+
+from tests.support import models
+from wt_callbacks.receiver import Receiver
+from wt_callbacks.transfer import (
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    ParamMeta,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightSyncHTTPError,
+    WeightTransferConfig,
+    WeightTransferEngine,
+    WeightTransferEngineFactory,
+    WeightTransferTrainerFactory,
+    materialize_full_tensor,
+)
+from wt_callbacks.transfer.backends.torch_dist import (
+    TorchDistTrainerConfig,
+    TorchDistTrainerInitInfo,
+    TorchDistWeightTransferEngine,
+    TorchDistWeightTransferUpdateInfo,
+)
+from wt_callbacks.transfer.base import finish_with_version
+from wt_callbacks.transfer.clients import assign_rank_offsets
+from wt_callbacks.transfer.packing import plan_chunks
+from wt_callbacks.receiver import _host_config
+
+LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
+
+
+# --------------------------------------------------------------------------- #
+# Factories
+# --------------------------------------------------------------------------- #
+
+
+def test_unknown_backend_lists_the_available_ones():
+    with pytest.raises(ValueError, match=r"Invalid weight transfer backend: 'nccll'.*\['torch_dist'"):
+        WeightTransferTrainerFactory.trainer_init("nccll", {}, LOCAL, client=None, source=None)
+    with pytest.raises(ValueError, match=r"Available engines: \['torch_dist'"):
+        WeightTransferEngineFactory.create_engine(WeightTransferConfig("nope"), _host_config(), torch.device("cpu"), None)
+
+
+def test_duplicate_registration_is_refused():
+    with pytest.raises(ValueError, match="'torch_dist' is already registered"):
+        WeightTransferTrainerFactory.register_engine("torch_dist", TorchDistTrainerWeightTransferEngineAlias)
+    with pytest.raises(ValueError, match="'torch_dist' is already registered"):
+        WeightTransferEngineFactory.register_engine("torch_dist", TorchDistWeightTransferEngine)
+
+
+TorchDistTrainerWeightTransferEngineAlias = WeightTransferTrainerFactory.engine_class("torch_dist")
+
+
+def test_lazy_registration_needs_a_class_name_and_imports_on_use():
+    with pytest.raises(ValueError, match="class_name is required"):
+        WeightTransferTrainerFactory.register_engine("lazy-test", "some.module")
+    WeightTransferTrainerFactory.register_engine(
+        "lazy-test", "wt_callbacks.transfer.backends.torch_dist", "TorchDistTrainerWeightTransferEngine"
+    )
+    assert WeightTransferTrainerFactory.engine_class("lazy-test") is TorchDistTrainerWeightTransferEngineAlias
+    WeightTransferEngineFactory.register_engine("direct-test", TorchDistWeightTransferEngine)
+    engine = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig("direct-test"), _host_config(), torch.device("cpu"), torch.nn.Linear(2, 2)
+    )
+    assert isinstance(engine, TorchDistWeightTransferEngine)
+
+
+# --------------------------------------------------------------------------- #
+# Config / init_info parsing (dicts from YAML, with errors naming the key)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"pakced": True}, r"unknown key 'pakced'; did you mean 'packed'\?"),
+        ({"packed": "yes"}, r"key 'packed' must be of type <class 'bool'>"),
+        ({"packed_buffer_size_bytes": 0}, r"packed_buffer_size_bytes must be > 0, got 0"),
+        ({"packed_num_buffers": -1}, r"packed_num_buffers must be > 0"),
+        ({"dtype": "bfloat61"}, r"dtype='bfloat61' is not a torch dtype name; did you mean 'bfloat16'\?"),
+        ({"dtype": "int8"}, r"must be a floating-point dtype"),
+        ({"timeout_s": 0}, r"timeout_s must be > 0"),
+        ({"transport": "mpi"}, r"transport='mpi' is not one of"),
+        ({"backend": "nccl"}, r"backend must be 'torch_dist'"),
+    ],
+)
+def test_bad_trainer_config_names_the_key(config, message):
+    with pytest.raises(ValueError, match=message):
+        TorchDistTrainerWeightTransferEngineAlias.parse_config(config)
+
+
+@pytest.mark.parametrize(
+    ("init_info", "message"),
+    [
+        ({"master_port": 1, "rank": 0}, r"missing required key 'master_address'"),
+        ({**LOCAL, "master_port": 70000}, r"master_port must be in 0..65535"),
+        ({**LOCAL, "rank": -1}, r"rank must be >= 0"),
+        ({**LOCAL, "world_size": 1}, r"world_size must be >= 2"),
+        ({**LOCAL, "master_adress": "x"}, r"did you mean 'master_address'"),
+        ({**LOCAL, "master_port": "29500"}, r"key 'master_port' must be of type <class 'int'>"),
+    ],
+)
+def test_bad_trainer_init_info_names_the_key(init_info, message):
+    with pytest.raises(ValueError, match=message):
+        TorchDistTrainerWeightTransferEngineAlias.parse_init_info(init_info)
+
+
+def test_dataclasses_and_dicts_parse_alike():
+    as_dict = TorchDistTrainerWeightTransferEngineAlias.parse_config({"packed": False, "dtype": "bfloat16"})
+    as_cls = TorchDistTrainerConfig(packed=False, dtype="bfloat16")
+    assert as_dict == as_cls
+    assert as_cls.wire_dtype is torch.bfloat16
+    assert TorchDistTrainerWeightTransferEngineAlias.parse_init_info(LOCAL) == TorchDistTrainerInitInfo(**LOCAL)
+    assert TorchDistTrainerInitInfo(**LOCAL).is_sender
+    assert not TorchDistTrainerInitInfo(**{**LOCAL, "rank": 1}).is_sender
+
+
+def test_worker_parse_errors_name_the_key():
+    engine = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(), _host_config(), torch.device("cpu"), torch.nn.Linear(2, 2)
+    )
+    with pytest.raises(ValueError, match=r"Invalid init_info for TorchDistWeightTransferEngine: missing required key 'rank_offset'"):
+        engine.parse_init_info({"master_address": "127.0.0.1", "master_port": 1, "world_size": 2})
+    with pytest.raises(ValueError, match=r"rank_offset must be >= 1"):
+        engine.parse_init_info({"master_address": "a", "master_port": 1, "world_size": 2, "rank_offset": 0})
+    with pytest.raises(ValueError, match=r"Invalid update_info .*unknown key 'name'; did you mean 'names'"):
+        engine.parse_update_info({"name": []})
+    with pytest.raises(ValueError, match=r"equal lengths, got 2, 1, 1"):
+        engine.parse_update_info({"names": ["a", "b"], "dtype_names": ["float32"], "shapes": [[1]]})
+    with pytest.raises(ValueError, match=r"dtype_names\[0\]='floaty' is not a torch dtype name"):
+        engine.parse_update_info({"names": ["a"], "dtype_names": ["floaty"], "shapes": [[1]]})
+    info = engine.parse_update_info({"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]]})
+    assert isinstance(info, TorchDistWeightTransferUpdateInfo) and info.dtypes == [torch.bfloat16]
+
+
+def test_worker_engine_surface():
+    model, draft = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(), _host_config(), torch.device("cpu"), model)
+    assert engine.supports_draft_weight_update is True
+    engine.set_weight_update_target(draft, "draft-config")
+    assert engine.model is draft and engine.model_config == "draft-config"
+    engine.reset_weight_update_target()
+    assert engine.model is model and engine.model_config is None
+    with pytest.raises(RuntimeError, match="init_weight_transfer_engine must be called before update_weights"):
+        engine.update_weights({"names": [], "dtype_names": [], "shapes": []})
+
+
+class _RecordingEngine(WeightTransferEngine):
+    """Minimal worker engine: proves the base ``update_weights`` runs on CPU."""
+
+    init_info_cls = dict
+    update_info_cls = TorchDistWeightTransferUpdateInfo
+
+    def init_transfer_engine(self, init_info: Any) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def finish_weight_update(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+    def receive_weights(self, update_info: Any) -> None:
+        self.received = update_info.names
+
+    @staticmethod
+    def trainer_send_weights(iterator: Iterator[Any], trainer_args: Any) -> None: ...
+
+
+def test_base_update_weights_works_without_an_accelerator():
+    assert not torch.accelerator.is_available()
+    engine = _RecordingEngine(WeightTransferConfig("x"), _host_config(), torch.device("cpu"), torch.nn.Linear(1, 1))
+    engine.update_weights({"names": ["w"], "dtype_names": ["float32"], "shapes": [[1]]})
+    assert engine.received == ["w"]
+
+
+# --------------------------------------------------------------------------- #
+# Packing plan: vLLM's chunk cut rule
+# --------------------------------------------------------------------------- #
+
+
+def test_chunk_closes_after_the_tensor_that_exceeds_the_buffer():
+    assert plan_chunks([4, 4, 4], 8) == [range(0, 3)]  # 8 is not > 8; 12 is
+    assert plan_chunks([4, 5, 4], 8) == [range(0, 2), range(2, 3)]
+    assert plan_chunks([20, 1, 1], 8) == [range(0, 1), range(1, 3)]  # oversized tensor alone
+    assert plan_chunks([], 8) == []
+    with pytest.raises(ValueError, match="packed_buffer_size_bytes must be > 0"):
+        plan_chunks([1], 0)
+
+
+# --------------------------------------------------------------------------- #
+# Sources
+# --------------------------------------------------------------------------- #
+
+
+def test_module_source_metadata_matches_iteration_and_casts():
+    model = models.mixed_model(seed=0)
+    source = ModuleSource(model)
+    items = list(source)
+    assert [(m.name, m.dtype, m.shape) for m in source.metadata()] == [
+        (n, t.dtype, tuple(t.shape)) for n, t in items
+    ]
+    bf16 = source.with_wire_dtype(torch.bfloat16)
+    assert {m.dtype for m in bf16.metadata()} == {torch.bfloat16}
+    assert all(t.dtype == torch.bfloat16 for _, t in bf16)
+    assert source.with_wire_dtype(None) is source
+    plain = torch.ones(3)
+    assert materialize_full_tensor(plain) is plain
+
+
+class _ListSource(WeightSource):
+    def __init__(self, items):
+        self.items = items
+
+    def metadata(self):
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.items]
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def test_generic_sources_get_a_casting_wrapper():
+    source = _ListSource([("a", torch.ones(2)), ("i", torch.ones(2, dtype=torch.int64))])
+    cast = source.with_wire_dtype(torch.float16)
+    assert [m.dtype for m in cast.metadata()] == [torch.float16, torch.int64]
+    assert [t.dtype for _, t in cast] == [torch.float16, torch.int64]
+    assert ParamMeta("a", torch.bfloat16, (3, 5)).nbytes == 30
+
+
+# --------------------------------------------------------------------------- #
+# Client protocol and HTTP errors
+# --------------------------------------------------------------------------- #
+
+
+class _SeedStyleClient:
+    """The seed's four-method client: finish takes no version."""
+
+    def __init__(self):
+        self.calls = []
+
+    def init_weight_transfer_engine(self, init_info):
+        self.calls.append("init")
+
+    def start_weight_update(self):
+        self.calls.append("start")
+
+    def update_weights(self, update_info):
+        self.calls.append("update")
+
+    def finish_weight_update(self):
+        self.calls.append("finish")
+
+    def update_weight_version(self, v):
+        self.calls.append(f"version={v}")
+
+
+def test_protocol_is_structural_and_finish_accepts_both_styles():
+    seed_style = _SeedStyleClient()
+    assert isinstance(seed_style, VLLMWeightSyncClient)
+    assert isinstance(HTTPVLLMWeightSyncClient("http://127.0.0.1:1"), VLLMWeightSyncClient)
+    assert not isinstance(object(), VLLMWeightSyncClient)
+    finish_with_version(seed_style, "v3")
+    finish_with_version(seed_style, None)
+    assert seed_style.calls == ["finish", "version=v3", "finish"]
+
+
+def test_trainer_init_refuses_a_non_client_and_a_non_source():
+    with pytest.raises(ValueError, match="does not implement VLLMWeightSyncClient"):
+        WeightTransferTrainerFactory.trainer_init("torch_dist", {}, LOCAL, client=object(), source=ModuleSource(torch.nn.Linear(1, 1)))
+    with pytest.raises(ValueError, match="source must be a WeightSource"):
+        WeightTransferTrainerFactory.trainer_init("torch_dist", {}, LOCAL, client=_SeedStyleClient(), source=torch.nn.Linear(1, 1))
+    with pytest.raises(ValueError, match="world_size is missing and the client has no get_world_size"):
+        WeightTransferTrainerFactory.trainer_init(
+            "torch_dist", {}, LOCAL, client=_SeedStyleClient(), source=ModuleSource(torch.nn.Linear(1, 1))
+        )
+
+
+def test_rank_offsets_for_independent_servers():
+    info = {"master_address": "a", "master_port": 1, "rank_offset": 1, "world_size": 7}
+    assert [p["rank_offset"] for p in assign_rank_offsets(info, [2, 4])] == [1, 3]
+    with pytest.raises(ValueError, match="set world_size to 7"):
+        assign_rank_offsets({**info, "world_size": 5}, [2, 4])
+    assert assign_rank_offsets({"packed": True}, [1, 1]) == [{"packed": True}] * 2
+
+
+@pytest.fixture
+def stub_server():
+    """A real HTTP server answering every request with a fixed status and body."""
+    seen: list[dict[str, Any]] = []
+    reply = {"status": 404, "body": b'{"detail":"Not Found"}'}
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": self.rfile.read(length)})
+            self.send_response(reply["status"])
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply["body"])))
+            self.end_headers()
+            self.wfile.write(reply["body"])
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", reply, seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_404_says_to_enable_dev_mode(stub_server):
+    url, _, _ = stub_server
+    client = HTTPVLLMWeightSyncClient(url, timeout=5)
+    with pytest.raises(WeightSyncHTTPError, match=r"HTTP 404: .*VLLM_SERVER_DEV_MODE=1") as err:
+        client.start_weight_update()
+    assert err.value.status == 404 and "Not Found" in err.value.body
+
+
+def test_bearer_token_from_argument_or_env(stub_server, monkeypatch):
+    url, reply, seen = stub_server
+    reply.update(status=200, body=b'{"world_size": 2}')
+    HTTPVLLMWeightSyncClient(url, api_key="secret").resume()
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert HTTPVLLMWeightSyncClient(url).get_world_size() == 2
+    assert [s["auth"] for s in seen] == ["Bearer secret", "Bearer from-env"]
+    reply.update(status=401, body=b'{"error":"Unauthorized"}')
+    with pytest.raises(WeightSyncHTTPError, match="refused the token: pass api_key= or set VLLM_API_KEY"):
+        HTTPVLLMWeightSyncClient(url).resume()
+
+
+def test_unreachable_server_and_bad_arguments():
+    with pytest.raises(WeightSyncHTTPError, match=r"http://127.0.0.1:9/start_weight_update: cannot reach the server"):
+        HTTPVLLMWeightSyncClient("http://127.0.0.1:9", timeout=5).start_weight_update()
+    with pytest.raises(ValueError, match="is not an http"):
+        HTTPVLLMWeightSyncClient("127.0.0.1:8000")
+    with pytest.raises(ValueError, match="listed twice"):
+        HTTPVLLMWeightSyncClient(["http://a:1", "http://a:1"])
+    with pytest.raises(ValueError, match=r"timeouts: unknown method names \['update'\]"):
+        HTTPVLLMWeightSyncClient("http://a:1", timeouts={"update": 3})
+    with pytest.raises(ValueError, match="pause mode 'stop' is not one of"):
+        HTTPVLLMWeightSyncClient("http://a:1").pause("stop")
+
+
+# --------------------------------------------------------------------------- #
+# Reference receiver: vLLM's payloads, status codes and lifecycle errors
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def receiver():
+    with Receiver(torch.nn.Linear(4, 4)) as r:
+        r.start()
+        yield r
+
+
+def test_receiver_lifecycle_misuse_answers_like_vllm(receiver):
+    url = receiver.url
+    client = HTTPVLLMWeightSyncClient(url, timeout=10)
+    with pytest.raises(WeightSyncHTTPError, match="start_weight_update must be called before update_weights") as err:
+        client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    assert err.value.status == 500
+    assert json.loads(err.value.body)["error"]["type"] == "InternalServerError"
+    with pytest.raises(WeightSyncHTTPError, match="without an active weight update"):
+        client.finish_weight_update()
+    client.start_weight_update()
+    with pytest.raises(WeightSyncHTTPError, match="already active. Call finish_weight_update first"):
+        client.start_weight_update()
+    # An update that fails ends the session, as in vLLM.
+    with pytest.raises(WeightSyncHTTPError, match="init_weight_transfer_engine must be called"):
+        client.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    with pytest.raises(WeightSyncHTTPError, match="without an active weight update"):
+        client.finish_weight_update()
+
+
+def test_receiver_routes_and_payloads(receiver):
+    url = receiver.url
+    assert requests.get(f"{url}/health", timeout=5).status_code == 200
+    missing = requests.post(f"{url}/init_weight_transfer_engine", json={}, timeout=5)
+    assert missing.status_code == 400
+    bad_mode = requests.post(f"{url}/pause", params={"mode": "later"}, timeout=5)
+    assert bad_mode.status_code == 400 and "later" in bad_mode.json()["error"]
+    assert requests.post(f"{url}/pause", params={"mode": "keep"}, timeout=5).json() == {"status": "paused"}
+    assert requests.get(f"{url}/is_paused", timeout=5).json() == {"is_paused": True}
+    assert requests.post(f"{url}/resume", timeout=5).json() == {"status": "resumed"}
+    assert requests.get(f"{url}/get_world_size", timeout=5).json() == {"world_size": 1}
+    assert requests.post(f"{url}/update_weight_version", json={"new_version": "v9"}, timeout=5).json() == {
+        "success": True,
+        "new_version": "v9",
+    }
+    info = requests.get(f"{url}/weight_info", timeout=5).json()
+    assert info == {"weight_version": "v9", "updates_completed": 0, "version_history": []}
+    sums = requests.get(f"{url}/weight_checksums", timeout=5).json()
+    assert sums["weight_version"] == "v9" and set(sums["checksums"]) == {"weight", "bias"}
+    draft = requests.post(f"{url}/start_draft_weight_update", timeout=5)
+    assert draft.status_code == 500 and "no draft model" in draft.json()["error"]["message"]
+
+
+def test_receiver_refuses_mismatched_names_before_streaming(receiver):
+    """The sender learns of a wrong model from the server at once, not at its timeout."""
+    client = HTTPVLLMWeightSyncClient(receiver.url, timeout=10)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        "torch_dist", {"timeout_s": 60}, LOCAL, client=client, source=ModuleSource(torch.nn.Linear(4, 5))
+    )
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"shape mismatch for 'weight': trainer sends \[5, 4\], the served model has \[4, 4\]"):
+        engine.send_weights("wrong")
+    assert time.monotonic() - start < 10
+    engine.shutdown()
+
+
+def test_receiver_port_in_use_is_named(receiver):
+    port = int(receiver.url.rsplit(":", 1)[1])
+    with pytest.raises(OSError, match=f"receiver cannot listen on 127.0.0.1:{port}"):
+        Receiver(torch.nn.Linear(1, 1)).start(port=port)
