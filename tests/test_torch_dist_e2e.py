@@ -233,7 +233,9 @@ def _fsdp_rank(rank: int, world: int, port: int, url: str, out_dir: str, dtype: 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         model = models.mixed_model(seed=0).float()
-        for layer in (model.proj, model.half, model.head):
+        # FSDP2 refuses non-contiguous parameters; the receiver keeps its view.
+        model.transposed = torch.nn.Parameter(model.transposed.detach().contiguous())
+        for layer in (model.proj, model.low_precision, model.head):
             fully_shard(layer)
         fully_shard(model)
         assert any(type(p).__name__ == "DTensor" for p in model.parameters())

@@ -116,8 +116,9 @@ class ReceiverCore:
     start, raise ``RuntimeError``; a failed update ends the session.
     """
 
-    def __init__(self, model: torch.nn.Module, *, backend: str = "torch_dist") -> None:
+    def __init__(self, model: torch.nn.Module, *, backend: str = "torch_dist", tokenizer: Any = None) -> None:
         self.model = model
+        self.tokenizer = tokenizer
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.engine = WeightTransferEngineFactory.create_engine(
             WeightTransferConfig(backend=backend), _host_config(), device, model
@@ -125,10 +126,59 @@ class ReceiverCore:
         self.weight_version = "default"
         self.version_history: list[str] = []
         self.updates_completed = 0
-        self.paused = False
         self._stage: StagedWeights | None = None
-        # One weight operation at a time, as vLLM's engine core runs them.
+        # One weight operation at a time, as vLLM's engine core runs them;
+        # generation takes it too, so it never sees a half-applied round.
         self._lock = threading.Lock()
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
+
+    def pause(self) -> None:
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        self._unpaused.set()
+
+    def complete(self, prompts: Sequence[str], max_tokens: int, logprobs: bool, *, wait_s: float = 300.0) -> list[dict[str, Any]]:
+        """Greedy completions (what the quickstart and tests ask a server for).
+
+        While paused, requests wait for ``resume`` (vLLM's ``keep``/``wait``
+        behaviour for new requests) for at most ``wait_s``.
+        """
+        if self.tokenizer is None or not callable(getattr(self.model, "generate", None)):
+            raise ValueError("this receiver serves no completions: it needs a transformers model and tokenizer")
+        if not self._unpaused.wait(wait_s):
+            raise TimeoutError(f"generation stayed paused for more than {wait_s:g} s")
+        choices = []
+        with self._lock, torch.no_grad():
+            for index, prompt in enumerate(prompts):
+                ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"].to(self.engine.device)
+                out = self.model.generate(
+                    ids,
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                )
+                new_ids = out.sequences[0, ids.shape[1] :].tolist()
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "text": self.tokenizer.decode(new_ids, skip_special_tokens=True),
+                    "finish_reason": "length" if len(new_ids) == max_tokens else "stop",
+                }
+                if logprobs:
+                    steps = [torch.log_softmax(logit[0].float(), dim=-1) for logit in out.logits]
+                    choice["logprobs"] = {
+                        "tokens": self.tokenizer.convert_ids_to_tokens(new_ids),
+                        "token_logprobs": [step[t].item() for step, t in zip(steps, new_ids)],
+                    }
+                choices.append(choice)
+        return choices
 
     def init_weight_transfer_engine(self, init_info: Mapping[str, Any]) -> None:
         with self._lock:
@@ -206,8 +256,8 @@ def _error(status: int, message: str) -> Any:
     )
 
 
-def build_app(core: ReceiverCore) -> Any:
-    """The FastAPI app serving vLLM's RL routes over ``core``."""
+def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
+    """The FastAPI app serving vLLM's RL routes (and greedy completions) over ``core``."""
     from fastapi import Body, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -293,13 +343,31 @@ def build_app(core: ReceiverCore) -> Any:
     def pause(mode: str = "abort", clear_cache: bool = True) -> Any:
         if mode not in PAUSE_MODES:
             return JSONResponse(status_code=400, content={"error": f"Invalid mode {mode!r}; use one of {PAUSE_MODES}"})
-        core.paused = True
+        core.pause()
         return {"status": "paused"}
 
     @app.post("/resume")
     def resume() -> dict:
-        core.paused = False
+        core.resume()
         return {"status": "resumed"}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model"}]}
+
+    @app.post("/v1/completions")
+    def completions(body: dict[str, Any] = Body(...)) -> Any:
+        prompt = body.get("prompt")
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            return _error(400, "prompt must be a string or a list of strings")
+        if body.get("temperature", 0) not in (0, 0.0, None):
+            return _error(400, "the reference receiver decodes greedily only: use temperature 0")
+        max_tokens = body.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return _error(400, "max_tokens must be a positive integer")
+        choices = core.complete(prompts, max_tokens, logprobs=body.get("logprobs") is not None)
+        return {"object": "text_completion", "model": model_name, "choices": choices}
 
     @app.get("/is_paused")
     def is_paused() -> dict:
@@ -318,8 +386,9 @@ class Receiver:
             ...                             # point the trainer at url
     """
 
-    def __init__(self, model: torch.nn.Module, *, backend: str = "torch_dist") -> None:
-        self.core = ReceiverCore(model, backend=backend)
+    def __init__(self, model: torch.nn.Module, *, backend: str = "torch_dist", tokenizer: Any = None, model_name: str = "receiver") -> None:
+        self.core = ReceiverCore(model, backend=backend, tokenizer=tokenizer)
+        self.model_name = model_name
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
@@ -344,7 +413,7 @@ class Receiver:
         except OSError as e:
             sock.close()
             raise OSError(f"receiver cannot listen on {host}:{port}: {e}; choose another --port") from e
-        config = uvicorn.Config(build_app(self.core), log_level="warning", timeout_keep_alive=30)
+        config = uvicorn.Config(build_app(self.core, self.model_name), log_level="warning", timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, name="wt-receiver", daemon=True
@@ -462,7 +531,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = load_model(args.model, args.module_factory, args.dtype)
     except ValueError as e:
         parser.error(str(e))
-    receiver = Receiver(model, backend=args.backend)
+    tokenizer = None
+    if args.model is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+        except (OSError, ValueError) as e:
+            logger.warning("no tokenizer in %s (%s): /v1/completions disabled", args.model, e)
+    receiver = Receiver(model, backend=args.backend, tokenizer=tokenizer, model_name=args.model or args.module_factory)
     url = receiver.start(args.host, args.port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -21,7 +21,7 @@ class MixedModel(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.proj = nn.Linear(hidden, hidden)
-        self.half = nn.Linear(hidden, 2 * hidden).to(torch.bfloat16)
+        self.low_precision = nn.Linear(hidden, 2 * hidden).to(torch.bfloat16)
         # A transposed view: C-contiguous only after .contiguous().
         self.transposed = nn.Parameter(torch.randn(2 * hidden, hidden).t())
         self.head = nn.Linear(hidden, vocab, bias=False)

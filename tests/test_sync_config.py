@@ -1,0 +1,161 @@
+"""SyncConfig: parsing from every hparams container, and every validation message."""
+
+import argparse
+import datetime
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from wt_callbacks.config import SyncConfig
+
+URL = "http://127.0.0.1:8000"
+SECTION = {
+    "backend": "torch_dist",
+    "every_n_train_steps": 10,
+    "servers": [URL],
+    "module": "model",
+    "dtype": "bfloat16",
+    "pause": "wait",
+    "init_info": {"master_address": "127.0.0.1", "master_port": 29600},
+    "config": {"packed": True, "packed_buffer_size_bytes": 1024, "packed_num_buffers": 2},
+    "timeout_s": 30,
+    "on_error": "warn",
+}
+
+
+class AttributeDict(dict):
+    """Stands in for Lightning's AttributeDict: a dict subclass with attribute access."""
+
+    def __getattr__(self, key):
+        return self[key]
+
+
+def _expected(config: SyncConfig) -> None:
+    assert config.every_n_train_steps == 10
+    assert config.servers == [URL]
+    assert config.module == "model"
+    assert config.dtype == "bfloat16"
+    assert config.wire_dtype == torch.bfloat16
+    assert config.pause == "wait"
+    assert config.on_error == "warn"
+    assert config.init_info == {"master_address": "127.0.0.1", "master_port": 29600}
+    assert config.trigger == ("every_n_train_steps", 10)
+
+
+@pytest.mark.parametrize(
+    "hparams",
+    [
+        pytest.param(SECTION, id="dict-section"),
+        pytest.param({"lr": 1e-3, "weight_sync": SECTION}, id="dict-container"),
+        pytest.param(argparse.Namespace(lr=1e-3, weight_sync=SECTION), id="namespace-container"),
+        pytest.param(argparse.Namespace(**SECTION), id="namespace-section"),
+        pytest.param(argparse.Namespace(weight_sync=argparse.Namespace(**SECTION)), id="namespace-nested"),
+        pytest.param(AttributeDict(lr=1e-3, weight_sync=SECTION), id="attributedict"),
+        pytest.param(OmegaConf.create({"lr": 1e-3, "weight_sync": SECTION}), id="omegaconf-container"),
+        pytest.param(OmegaConf.create(SECTION), id="omegaconf-section"),
+        pytest.param({"weight_sync": OmegaConf.create(SECTION)}, id="dict-of-omegaconf"),
+    ],
+)
+def test_from_hparams_containers(hparams):
+    _expected(SyncConfig.from_hparams(hparams))
+
+
+def test_omegaconf_interpolation_is_resolved():
+    hparams = OmegaConf.create({"url": URL, "weight_sync": {"servers": ["${url}"]}})
+    assert SyncConfig.from_hparams(hparams).servers == [URL]
+
+
+def test_custom_key_and_overrides_win_none_ignored():
+    config = SyncConfig.from_hparams(
+        {"sync": SECTION}, key="sync", every_n_train_steps=None, every_n_epochs=None, on_error="raise", pause=None
+    )
+    assert config.on_error == "raise"
+    assert config.pause == "wait"
+    # An override switching the trigger must replace the section's, not add to it.
+    with pytest.raises(ValueError, match="every_n_train_steps and every_n_epochs are mutually exclusive"):
+        SyncConfig.from_hparams(SECTION, every_n_epochs=2)
+
+
+def test_container_without_section_takes_overrides_only():
+    config = SyncConfig.from_hparams({"lr": 1e-3, "hidden": 8}, servers=[URL])
+    assert config.servers == [URL]
+    assert config.backend == "torch_dist"
+    assert SyncConfig.from_hparams(None, servers=[URL]).servers == [URL]
+
+
+def test_defaults():
+    config = SyncConfig(servers=[URL])
+    assert config.trigger == ("every_n_train_steps", 1)
+    assert config.sync_on_fit_start and config.sync_on_train_end
+    assert config.pause_mode == "keep"
+    assert config.timeout_s == 300
+    assert config.on_error == "raise"
+    assert config.wire_dtype is None
+    assert config.init_info_for(rank=1) == {"master_address": "127.0.0.1", "master_port": 0, "rank": 1}
+    assert SyncConfig(servers=[URL], pause="none").pause_mode is None
+
+
+def test_time_interval_accepts_timedelta_and_seconds():
+    assert SyncConfig(servers=[URL], train_time_interval=datetime.timedelta(minutes=2)).trigger == (
+        "train_time_interval",
+        120.0,
+    )
+    assert SyncConfig(servers=[URL], train_time_interval=1.5).train_time_interval == 1.5
+
+
+def test_torch_dtype_override_is_stored_by_name():
+    assert SyncConfig.from_hparams(SECTION, dtype=torch.float16).dtype == "float16"
+
+
+def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
+    config = SyncConfig(servers=[URL], dtype="bfloat16", timeout_s=30, config={"packed": False})
+    assert config.backend_config() == {"packed": False, "dtype": "bfloat16", "timeout_s": 30}
+    nested = SyncConfig(servers=[URL], dtype="bfloat16", timeout_s=30, config={"dtype": "float16", "timeout_s": 5})
+    assert nested.backend_config() == {"dtype": "float16", "timeout_s": 5}
+    assert nested.wire_dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"every_n_train_steps": 2, "every_n_epochs": 1}, r"every_n_train_steps and every_n_epochs are mutually exclusive"),
+        ({"every_n_epochs": 1, "train_time_interval": 5}, r"every_n_epochs and train_time_interval are mutually exclusive"),
+        ({"every_n_train_steps": 0}, r"every_n_train_steps=0 must be a positive integer"),
+        ({"every_n_epochs": -1}, r"every_n_epochs=-1 must be a positive integer"),
+        ({"train_time_interval": 0}, r"train_time_interval=0 must be a positive number of seconds"),
+        ({"train_time_interval": "10m"}, r"train_time_interval='10m' must be a positive number of seconds"),
+        ({"timeout_s": -5}, r"timeout_s=-5 must be a positive number of seconds"),
+        ({"every_n_train_steps": "10"}, r"key 'every_n_train_steps' must be of type int \| None, got str"),
+        ({"backend": "torch_dst"}, r"backend='torch_dst' is not one of \('torch_dist',\); did you mean 'torch_dist'\?"),
+        ({"servers": []}, r"no servers to sync to: set servers: \[http://host:port, \.\.\.\] .* or ray_actors"),
+        ({"ray_actors": ["vllm"]}, r"servers and ray_actors are mutually exclusive"),
+        ({"servers": [URL, ""]}, r"servers must be a list of non-empty strings, got entries \[''\]"),
+        ({"include": ["*.weight", 3]}, r"include must be a list of non-empty strings, got entries \[3\]"),
+        ({"dtype": "bfloat17"}, r"dtype='bfloat17' is not a torch dtype name; did you mean 'bfloat16'\?"),
+        ({"dtype": "int8"}, r"dtype='int8': the wire dtype must be a floating-point dtype"),
+        ({"pause": "kep"}, r"pause='kep' is not one of \('keep', 'wait', 'abort', 'none'\); did you mean 'keep'\?"),
+        ({"on_error": "ignore"}, r"on_error='ignore' is not one of \('raise', 'warn'\)"),
+        ({"server": [URL]}, r"unknown key 'server'; did you mean 'servers'\?"),
+        ({"every_n_train_step": 3}, r"unknown key 'every_n_train_step'; did you mean 'every_n_train_steps'\?"),
+        ({"config": {"packd": True}}, r"config for TorchDist\w+: unknown key 'packd'; did you mean 'packed'\?"),
+        ({"config": {"packed_num_buffers": 0}}, r"config for TorchDist\w+: config: packed_num_buffers must be > 0, got 0"),
+        ({"config": {"transport": "mpi"}}, r"config for TorchDist\w+: transport='mpi' is not one of \('auto', 'gloo', 'nccl'\)"),
+        ({"init_info": {"master_prot": 1}}, r"init_info for TorchDist\w+: unknown key 'master_prot'; did you mean 'master_port'\?"),
+        ({"init_info": {"master_port": 70000}}, r"init_info for TorchDist\w+: master_port must be in 0\.\.65535, got 70000"),
+        ({"init_info": {"rank": 1}}, r"init_info: remove 'rank'; each trainer process sets its own rank"),
+    ],
+)
+def test_validation_messages_name_the_key(bad, match):
+    with pytest.raises(ValueError, match=r"^weight_sync: " + match):
+        SyncConfig.from_hparams({"weight_sync": {"servers": [URL], **bad}})
+
+
+def test_unsupported_container():
+    with pytest.raises(ValueError, match=r"hparams must be a dict, an argparse.Namespace or an OmegaConf DictConfig, got list"):
+        SyncConfig.from_hparams([SECTION])
+
+
+def test_direct_construction_validates_too():
+    with pytest.raises(ValueError, match=r"^every_n_epochs=0 must be a positive integer"):
+        SyncConfig(servers=[URL], every_n_epochs=0)
