@@ -72,9 +72,13 @@ def test_custom_key_and_overrides_win_none_ignored():
     )
     assert config.on_error == "raise"
     assert config.pause == "wait"
-    # An override switching the trigger must replace the section's, not add to it.
+    # An override of the cadence or the destination replaces the section's choice.
+    switched = SyncConfig.from_hparams(SECTION, every_n_epochs=2, ray_actors=["vllm-0"])
+    assert switched.trigger == ("every_n_epochs", 2) and switched.every_n_train_steps is None
+    assert switched.ray_actors == ["vllm-0"] and switched.servers == []
+    # Within one source the keys still clash.
     with pytest.raises(ValueError, match="every_n_train_steps and every_n_epochs are mutually exclusive"):
-        SyncConfig.from_hparams(SECTION, every_n_epochs=2)
+        SyncConfig.from_hparams(None, servers=[URL], every_n_train_steps=2, every_n_epochs=2)
 
 
 def test_container_without_section_takes_overrides_only():
@@ -134,12 +138,12 @@ def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
         ({"include": ["*.weight", 3]}, r"include must be a list of non-empty strings, got entries \[3\]"),
         ({"dtype": "bfloat17"}, r"dtype='bfloat17' is not a torch dtype name; did you mean 'bfloat16'\?"),
         ({"dtype": "int8"}, r"dtype='int8': the wire dtype must be a floating-point dtype"),
-        ({"pause": "kep"}, r"pause='kep' is not one of \('keep', 'wait', 'abort', 'none'\); did you mean 'keep'\?"),
+        ({"pause": "kep"}, r"pause='kep' is not one of \('abort', 'wait', 'keep', 'none'\); did you mean 'keep'\?"),
         ({"on_error": "ignore"}, r"on_error='ignore' is not one of \('raise', 'warn'\)"),
         ({"server": [URL]}, r"unknown key 'server'; did you mean 'servers'\?"),
         ({"every_n_train_step": 3}, r"unknown key 'every_n_train_step'; did you mean 'every_n_train_steps'\?"),
         ({"config": {"packd": True}}, r"config for TorchDist\w+: unknown key 'packd'; did you mean 'packed'\?"),
-        ({"config": {"packed_num_buffers": 0}}, r"config for TorchDist\w+: config: packed_num_buffers must be > 0, got 0"),
+        ({"config": {"packed_num_buffers": 0}}, r"config for TorchDist\w+: packed_num_buffers must be > 0, got 0"),
         ({"config": {"transport": "mpi"}}, r"config for TorchDist\w+: transport='mpi' is not one of \('auto', 'gloo', 'nccl'\)"),
         ({"init_info": {"master_prot": 1}}, r"init_info for TorchDist\w+: unknown key 'master_prot'; did you mean 'master_port'\?"),
         ({"init_info": {"master_port": 70000}}, r"init_info for TorchDist\w+: master_port must be in 0\.\.65535, got 70000"),

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.support import models
+from tests.support.procs import free_port
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
@@ -256,19 +257,13 @@ def _fsdp_rank(rank: int, world: int, port: int, url: str, out_dir: str, dtype: 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("dtype", [None, "bfloat16"], ids=["fp32-wire", "bf16-wire-cast-before-gather"])
 def test_fsdp2_two_ranks_sync_full_tensors(receiver_proc, dtype):
     # The receiver holds fp32 for every parameter (mixed_model's bf16 layer is upcast).
     receiver = receiver_proc("tests.support.models:mixed_model", extra_args=("--dtype", "float32"))
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
-            _fsdp_rank, args=(2, _free_port(), receiver.url, out_dir, dtype), nprocs=2, join=True, start_method="spawn"
+            _fsdp_rank, args=(2, free_port(), receiver.url, out_dir, dtype), nprocs=2, join=True, start_method="spawn"
         )
         result = torch.load(os.path.join(out_dir, "result.pt"))
     assert result["got"] == result["expected"]

@@ -4,7 +4,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import socket
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.support.procs import free_port
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.naming import CheckpointParameters, checkpoint_name, find_submodule
@@ -69,12 +69,6 @@ def policy(seed: int) -> Policy:
 
 
 LM_NAMES = [n for n, _ in TinyLM().named_parameters()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def served_info(url: str) -> dict:

@@ -8,6 +8,7 @@ vLLM: training environments rarely can install it (it pins torch exactly).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -258,7 +259,9 @@ class ModuleSource(WeightSource):
     def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightSource:
         if dtype is None or dtype == self._dtype:
             return self
-        return ModuleSource(self._module, dtype=dtype)
+        cast = copy.copy(self)  # keeps a subclass's behaviour
+        cast._dtype = dtype
+        return cast
 
 
 # --------------------------------------------------------------------------- #
@@ -362,6 +365,16 @@ def finish_with_version(client: VLLMWeightSyncClient, weight_version: str | None
 # Trainer engine
 # --------------------------------------------------------------------------- #
 
+
+@dataclass
+class TransferStats:
+    """What the last ``send_weights`` round did on this rank (for metrics)."""
+
+    bytes: int = 0
+    tensors: int = 0
+    seconds: float = 0.0
+    gather_seconds: float = 0.0
+
 TConfig = TypeVar("TConfig")
 TInitInfo = TypeVar("TInitInfo")
 TUpdateInfo = TypeVar("TUpdateInfo")
@@ -402,6 +415,7 @@ class TrainerWeightTransferEngine(ABC, Generic[TConfig, TInitInfo]):
         # Every rank holds the client, only the sender calls it.
         self.client = client
         self.source = source
+        self.last_stats = TransferStats()
 
     @classmethod
     def parse_config(cls, config: TConfig | Mapping[str, Any]) -> TConfig:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from wt_callbacks.transfer.base import (
     ParamMeta,
     TrainerWeightTransferEngine,
+    TransferStats,
     VLLMWeightSyncClient,
     WeightSource,
     WeightTransferConfig,
@@ -69,10 +70,10 @@ _STORE_PREFIX = "wt_callbacks/torch_dist"
 # --------------------------------------------------------------------------- #
 
 
-def _check_positive(owner: str, **values: float) -> None:
+def _check_positive(**values: float) -> None:
     for key, value in values.items():
         if value <= 0:
-            raise ValueError(f"{owner}: {key} must be > 0, got {value}")
+            raise ValueError(f"{key} must be > 0, got {value}")
 
 
 @dataclass
@@ -106,7 +107,6 @@ class TorchDistTrainerConfig(WeightTransferConfig):
         if self.backend != BACKEND:
             raise ValueError(f"backend must be {BACKEND!r} for this config, got {self.backend!r}")
         _check_positive(
-            "config",
             packed_buffer_size_bytes=self.packed_buffer_size_bytes,
             packed_num_buffers=self.packed_num_buffers,
             timeout_s=self.timeout_s,
@@ -176,7 +176,6 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
         if self.world_size < 2:
             raise ValueError(f"world_size must be >= 2, got {self.world_size}")
         _check_positive(
-            "init_info",
             packed_buffer_size_bytes=self.packed_buffer_size_bytes,
             packed_num_buffers=self.packed_num_buffers,
             timeout_s=self.timeout_s,
@@ -375,16 +374,6 @@ def _wait_work(work: Any, *, timeout_s: float, server_call: Future | None = None
 # --------------------------------------------------------------------------- #
 
 
-@dataclass
-class TransferStats:
-    """What the last ``send_weights`` round did, on this rank."""
-
-    bytes: int = 0
-    tensors: int = 0
-    seconds: float = 0.0
-    gather_seconds: float = 0.0
-
-
 class _TimedIterator:
     """Iterates a source, timing the time spent producing tensors (the gathers)."""
 
@@ -470,7 +459,6 @@ class TorchDistTrainerWeightTransferEngine(
         super().__init__(config, client=client, source=source.with_wire_dtype(config.wire_dtype), is_sender=is_sender)
         self.group: TransferGroup | None = None
         self.worker_init_info: dict[str, Any] | None = None
-        self.last_stats = TransferStats()
         self._failure: str | None = None
 
     @classmethod

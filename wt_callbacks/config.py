@@ -1,0 +1,263 @@
+"""``SyncConfig``: the ``weight_sync`` section of a trainer's hyperparameters.
+
+One dataclass, parsed from whatever container the training framework keeps
+its hyperparameters in (dict, ``argparse.Namespace``, Lightning's
+``AttributeDict``, OmegaConf ``DictConfig``), and validated once, when it is
+built: a typo in the YAML fails at fit start with a message that names the key
+and the fix, never hours later at the first sync round.
+
+Decisions a user can rely on:
+
+* Cadence: at most one of ``every_n_train_steps``, ``every_n_epochs``,
+  ``train_time_interval``. When none is given the cadence is
+  ``every_n_train_steps=1``: on-policy RL, the main use, wants the servers on
+  the newest weights after every optimizer step (TRL and verl default to it).
+* ``include`` / ``exclude`` are shell-style ``fnmatch`` patterns matched
+  against the *sent* (checkpoint) names, case-sensitively: YAML-friendly
+  (``"*.bias"``, ``"lm_head.*"``; ``*`` also matches dots) with nothing to
+  escape. A name is sent when it matches some ``include`` pattern (or
+  ``include`` is empty) and no ``exclude`` pattern.
+* ``dtype`` and ``timeout_s`` are general settings that also exist in the
+  backend's own ``config``; a value set in ``config`` wins, the top-level one
+  fills it in when ``config`` leaves it unset. ``timeout_s`` also bounds every
+  server call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from wt_callbacks.transfer.base import dtype_from_name, dtype_name, parse_dataclass
+from wt_callbacks.transfer.clients import PAUSE_MODES as SERVER_PAUSE_MODES
+from wt_callbacks.transfer.factory import WeightTransferTrainerFactory
+
+TRIGGER_KEYS = ("every_n_train_steps", "every_n_epochs", "train_time_interval")
+EXCLUSIVE_GROUPS = (TRIGGER_KEYS, ("servers", "ray_actors"))
+"""Keys of which one is given; an override of one replaces the section's choice."""
+PAUSE_MODES = (*SERVER_PAUSE_MODES, "none")
+ON_ERROR_MODES = ("raise", "warn")
+DEFAULT_INIT_INFO: dict[str, Any] = {"master_address": "127.0.0.1", "master_port": 0}
+"""Rendezvous defaults: the trainer on this host, any free port (reported to the servers)."""
+
+
+def _choices_error(key: str, value: Any, choices: tuple[str, ...]) -> ValueError:
+    hint = difflib.get_close_matches(str(value), choices, n=1)
+    return ValueError(
+        f"{key}={value!r} is not one of {choices}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+    )
+
+
+def _check_positive(key: str, value: Any, *, integer: bool = False) -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+        raise ValueError(
+            f"{key}={value!r} must be a positive " + ("integer" if integer else "number of seconds")
+        )
+
+
+def _check_str_list(key: str, value: list[str]) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{key} must be a list of strings, got {type(value).__name__} {value!r}")
+    bad = [v for v in value if not isinstance(v, str) or not v]
+    if bad:
+        raise ValueError(f"{key} must be a list of non-empty strings, got entries {bad!r}")
+
+
+@dataclass
+class SyncConfig:
+    """How and when a trainer pushes its weights to inference servers.
+
+    Attributes:
+        backend: registered trainer engine (``WeightTransferTrainerFactory.available()``).
+        every_n_train_steps: sync after every N optimizer steps.
+        every_n_epochs: sync after every N training epochs.
+        train_time_interval: sync when this much time passed since the last
+            round, in seconds (a ``datetime.timedelta`` is accepted and stored
+            as seconds). Checked once per optimizer step.
+        sync_on_fit_start: cold sync when fitting starts, also after a resume
+            (the servers may hold anything).
+        sync_on_train_end: final sync when training ends, unless the last
+            round already sent that step.
+        servers: vLLM server base URLs (``http://host:port``), driven as one unit.
+        ray_actors: names of vLLM ``LLM``/``AsyncLLM`` Ray actors, instead of ``servers``.
+        ray_namespace: Ray namespace of ``ray_actors``.
+        module: attribute path of the submodule to send, in checkpoint naming
+            (wrapper segments such as ``module.`` / ``_orig_mod.`` left out);
+            ``None`` sends the whole module.
+        include: ``fnmatch`` patterns of sent names to keep (empty: all).
+        exclude: ``fnmatch`` patterns of sent names to drop.
+        dtype: wire dtype name for floating-point parameters (``"bfloat16"``);
+            ``None`` sends each parameter's own dtype.
+        pause: how servers pause generation during a round (``/pause?mode=``),
+            ``"none"`` to not pause.
+        init_info: backend rendezvous settings (``master_address``,
+            ``master_port``, optional ``world_size``); ``rank`` is set per process.
+        config: backend settings (for ``torch_dist``: ``packed``,
+            ``packed_buffer_size_bytes``, ``packed_num_buffers``, ``dtype``,
+            ``timeout_s``, ``transport``).
+        timeout_s: bound in seconds on every server call and transfer wait.
+        on_error: ``"raise"`` stops training on a failed round; ``"warn"`` logs,
+            keeps training and reconnects at the next due round.
+        api_key: bearer token for servers started with ``--api-key``
+            (default: the ``VLLM_API_KEY`` environment variable).
+    """
+
+    backend: str = "torch_dist"
+    every_n_train_steps: int | None = None
+    every_n_epochs: int | None = None
+    train_time_interval: float | datetime.timedelta | None = None
+    sync_on_fit_start: bool = True
+    sync_on_train_end: bool = True
+    servers: list[str] = field(default_factory=list)
+    ray_actors: list[str] = field(default_factory=list)
+    ray_namespace: str | None = None
+    module: str | None = None
+    include: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    dtype: str | torch.dtype | None = None
+    pause: str = "keep"
+    init_info: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 300.0
+    on_error: str = "raise"
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in TRIGGER_KEYS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"{' and '.join(given)} are mutually exclusive: keep one of {list(TRIGGER_KEYS)}"
+            )
+        if isinstance(self.train_time_interval, datetime.timedelta):
+            self.train_time_interval = self.train_time_interval.total_seconds()
+        for key in given:
+            _check_positive(key, getattr(self, key), integer=key != "train_time_interval")
+        _check_positive("timeout_s", self.timeout_s)
+
+        available = WeightTransferTrainerFactory.available()
+        if self.backend not in available:
+            raise _choices_error("backend", self.backend, tuple(available))
+        if not self.servers and not self.ray_actors:
+            raise ValueError(
+                "no servers to sync to: set servers: [http://host:port, ...] (vLLM HTTP servers) "
+                "or ray_actors: [name, ...] (vLLM Ray actors)"
+            )
+        if self.servers and self.ray_actors:
+            raise ValueError("servers and ray_actors are mutually exclusive: keep one of them")
+        for key in ("servers", "ray_actors", "include", "exclude"):
+            _check_str_list(key, getattr(self, key))
+
+        if isinstance(self.dtype, torch.dtype):
+            self.dtype = dtype_name(self.dtype)
+        if self.dtype is not None and not dtype_from_name(self.dtype, key="dtype").is_floating_point:
+            raise ValueError(f"dtype={self.dtype!r}: the wire dtype must be a floating-point dtype such as 'bfloat16'")
+        if self.pause not in PAUSE_MODES:
+            raise _choices_error("pause", self.pause, PAUSE_MODES)
+        if self.on_error not in ON_ERROR_MODES:
+            raise _choices_error("on_error", self.on_error, ON_ERROR_MODES)
+        if "rank" in self.init_info:
+            raise ValueError("init_info: remove 'rank'; each trainer process sets its own rank")
+
+        # The backend's own parsers check the nested sections now, so a typo
+        # there fails at setup like a typo at the top level.
+        engine_cls = WeightTransferTrainerFactory.engine_class(self.backend)
+        engine_cls.parse_config(self.backend_config())
+        engine_cls.parse_init_info(self.init_info_for(rank=0))
+
+    @property
+    def trigger(self) -> tuple[str, float]:
+        """The periodic cadence in effect, ``(key, value)``; ``("every_n_train_steps", 1)``
+        when none is configured."""
+        for key in TRIGGER_KEYS:
+            value = getattr(self, key)
+            if value is not None:
+                return key, value
+        return "every_n_train_steps", 1
+
+    @property
+    def pause_mode(self) -> str | None:
+        """The ``/pause`` mode, ``None`` when servers are not paused."""
+        return None if self.pause == "none" else self.pause
+
+    def backend_config(self) -> dict[str, Any]:
+        """The backend ``config`` dict with top-level ``dtype``/``timeout_s``
+        filled in where the backend has such a key and ``config`` leaves it unset."""
+        engine_cls = WeightTransferTrainerFactory.engine_class(self.backend)
+        keys = {f.name for f in dataclasses.fields(engine_cls.config_cls)}
+        merged = dict(self.config)
+        for key, value in (("dtype", self.dtype), ("timeout_s", self.timeout_s)):
+            if key in keys and merged.get(key) is None:
+                merged[key] = value
+        return merged
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The wire dtype in effect (``config.dtype`` wins over ``dtype``)."""
+        name = self.config.get("dtype") or self.dtype
+        return None if name is None else dtype_from_name(name, key="dtype")
+
+    def init_info_for(self, rank: int) -> dict[str, Any]:
+        """The backend init_info of trainer ``rank``."""
+        return {**DEFAULT_INIT_INFO, **self.init_info, "rank": rank}
+
+    @classmethod
+    def from_hparams(cls, obj: Any = None, key: str = "weight_sync", **overrides: Any) -> SyncConfig:
+        """Parse and validate from a framework's hyperparameters.
+
+        ``obj`` is a dict (Lightning's ``AttributeDict`` is one), an
+        ``argparse.Namespace``, an OmegaConf ``DictConfig`` or ``None``. It is
+        either a container holding the section under ``key``, or the section
+        itself: without ``key``, ``obj`` counts as the section when at least
+        one of its keys is a ``SyncConfig`` field (so typos get a
+        did-you-mean); otherwise it is hyperparameters without the section and
+        only ``overrides`` apply. ``overrides`` (constructor arguments of the
+        framework adapter) win over the section; ``None`` means "not given".
+        An override of a cadence key (or of ``servers`` / ``ray_actors``)
+        replaces the section's cadence (destination) instead of clashing with it.
+
+        Raises:
+            ValueError: naming the key to fix (``"{key}: ..."``).
+        """
+        container = _as_mapping(obj, what="hparams")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if key in container:
+            section = _as_mapping(container[key], what=key)
+        elif fields & set(container):
+            section = container
+        else:
+            section = {}
+        given = {k: v for k, v in overrides.items() if v is not None}
+        for group in EXCLUSIVE_GROUPS:
+            if given.keys() & set(group):
+                section = {k: v for k, v in section.items() if k not in group}
+        merged = {**section, **given}
+        return parse_dataclass(cls, merged, what=key)
+
+
+def _as_mapping(obj: Any, *, what: str) -> dict[str, Any]:
+    """A plain dict from any supported hparams container."""
+    if obj is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:
+        DictConfig = None  # noqa: N806 - omegaconf is optional
+    # Before the Mapping check: a DictConfig is a Mapping whose values stay
+    # ListConfig / DictConfig unless converted.
+    if DictConfig is not None and isinstance(obj, DictConfig):
+        return OmegaConf.to_container(obj, resolve=True)  # type: ignore[return-value]
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if isinstance(obj, argparse.Namespace):
+        return vars(obj)
+    raise ValueError(
+        f"{what} must be a dict, an argparse.Namespace or an OmegaConf DictConfig, got {type(obj).__name__}"
+    )
