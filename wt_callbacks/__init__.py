@@ -5,3 +5,17 @@ live in ``wt_callbacks.integrations``.
 """
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "WeightSyncCallback": "wt_callbacks.integrations.lightning",
+    "WeightSyncHook": "wt_callbacks.integrations.accelerate",
+}
+
+
+def __getattr__(name: str):
+    # Lazy, so `import wt_callbacks` never imports a training framework.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'wt_callbacks' has no attribute {name!r}")

@@ -1,0 +1,261 @@
+"""Lightning: ``WeightSyncCallback`` keeps inference servers on the model being trained.
+
+Add the callback, put a ``weight_sync`` section in the LightningModule's
+hyperparameters (or pass the same keys as arguments), and the servers serve
+the new weights on cadence::
+
+    class Policy(L.LightningModule):
+        def __init__(self, weight_sync: dict):
+            super().__init__()
+            self.save_hyperparameters()
+            self.model = AutoModelForCausalLM.from_config(...)
+
+    trainer = L.Trainer(callbacks=[WeightSyncCallback()], max_steps=1000)
+    trainer.fit(Policy(weight_sync={"servers": ["http://127.0.0.1:8000"],
+                                    "every_n_train_steps": 10, "module": "model"}))
+
+The cadence follows ``ModelCheckpoint``: ``every_n_train_steps`` counts
+optimizer steps (``trainer.global_step``, so gradient accumulation does not
+multiply syncs), ``every_n_epochs``, or ``train_time_interval`` (decided on
+rank 0 and broadcast). Sanity checking and ``fast_dev_run`` never sync. All
+the work is done by ``wt_callbacks.sync.WeightSync``; this module only maps
+Lightning's hooks onto it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+from wt_callbacks.config import SyncConfig
+from wt_callbacks.sync import Collectives, SyncResult, WeightSync
+
+
+def _refuse_flat_shards(strategy: Any) -> None:
+    """FSDP1 and DeepSpeed ZeRO-3 expose flattened or empty shards as
+    parameters; sending them would put garbage on the servers."""
+    name = type(strategy).__name__
+    if name == "FSDPStrategy":
+        raise ValueError(
+            "WeightSyncCallback does not support FSDPStrategy (FSDP1): its parameters are flat shards. "
+            "Use ModelParallelStrategy (FSDP2: fully_shard in configure_model); its DTensor "
+            "parameters are gathered one at a time"
+        )
+    if name == "DeepSpeedStrategy" and getattr(strategy, "zero_stage_3", False):
+        raise ValueError(
+            "WeightSyncCallback does not support DeepSpeed ZeRO stage 3 (partitioned parameters); "
+            "use ModelParallelStrategy (FSDP2) or ZeRO stage 1/2"
+        )
+
+
+class WeightSyncCallback(Callback):
+    """Pushes the LightningModule's weights to inference servers on cadence.
+
+    Every argument but ``hparams_key`` and ``client`` is a key of the
+    ``weight_sync`` section (see ``wt_callbacks.config.SyncConfig`` for their
+    meaning); an argument given here overrides the hyperparameter. The
+    configuration is resolved and validated in ``setup``, before the first
+    training step, so a typo never waits for the first sync to fail.
+
+    Args:
+        hparams_key: where the section lives in ``pl_module.hparams``.
+        client: a ready ``VLLMWeightSyncClient`` to use instead of one built
+            from ``servers`` / ``ray_actors``.
+
+    Lifecycle: the engine is created at fit start on every rank (after
+    ``configure_model``, so FSDP2 parameters are already sharded), a cold sync
+    runs before the first step and again after a resume, and everything is
+    torn down in ``teardown`` and on exceptions (servers resumed if paused).
+    Call ``sync_now(trainer)`` on every rank for custom cadences.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str | None = None,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        train_time_interval: float | datetime.timedelta | None = None,
+        sync_on_fit_start: bool | None = None,
+        sync_on_train_end: bool | None = None,
+        servers: list[str] | None = None,
+        ray_actors: list[str] | None = None,
+        ray_namespace: str | None = None,
+        module: str | None = None,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        dtype: str | None = None,
+        pause: str | None = None,
+        init_info: dict[str, Any] | None = None,
+        config: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        on_error: str | None = None,
+        api_key: str | None = None,
+        hparams_key: str = "weight_sync",
+        client: Any = None,
+    ) -> None:
+        self._overrides = {
+            "backend": backend,
+            "every_n_train_steps": every_n_train_steps,
+            "every_n_epochs": every_n_epochs,
+            "train_time_interval": train_time_interval,
+            "sync_on_fit_start": sync_on_fit_start,
+            "sync_on_train_end": sync_on_train_end,
+            "servers": servers,
+            "ray_actors": ray_actors,
+            "ray_namespace": ray_namespace,
+            "module": module,
+            "include": include,
+            "exclude": exclude,
+            "dtype": dtype,
+            "pause": pause,
+            "init_info": init_info,
+            "config": config,
+            "timeout_s": timeout_s,
+            "on_error": on_error,
+            "api_key": api_key,
+        }
+        self.hparams_key = hparams_key
+        self._client = client
+        self.config: SyncConfig | None = None
+        self.weight_sync: WeightSync | None = None
+        self._restored: dict[str, Any] | None = None
+
+    # -- identity and resume state -----------------------------------------
+
+    @property
+    def state_key(self) -> str:
+        # Unique per destination and selection, so two callbacks (two server
+        # groups, or two submodules) keep separate resume state.
+        cfg = self.config
+        source = cfg.__dict__ if cfg is not None else self._overrides
+        return self._generate_state_key(
+            servers=source.get("servers"),
+            ray_actors=source.get("ray_actors"),
+            module=source.get("module"),
+            hparams_key=self.hparams_key,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.weight_sync is not None:
+            return self.weight_sync.state_dict()
+        return dict(self._restored or {})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callbacks before on_fit_start builds the driver.
+        self._restored = dict(state_dict)
+
+    # -- configuration -----------------------------------------------------
+
+    def resolve_config(self, pl_module: pl.LightningModule) -> SyncConfig:
+        """The effective ``SyncConfig``: ``pl_module.hparams[hparams_key]``
+        overridden by this callback's arguments."""
+        hparams = getattr(pl_module, "hparams", None) or {}
+        section = {self.hparams_key: hparams[self.hparams_key]} if self.hparams_key in hparams else None
+        return SyncConfig.from_hparams(section, key=self.hparams_key, **self._overrides)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        _refuse_flat_shards(trainer.strategy)
+        self.config = self.resolve_config(pl_module)
+
+    def _active(self, trainer: pl.Trainer) -> bool:
+        return self.weight_sync is not None and not trainer.sanity_checking
+
+    # -- fit lifecycle -----------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.config is None or trainer.fast_dev_run:
+            return
+        strategy = trainer.strategy
+        self.weight_sync = WeightSync(self.config, client=self._client)
+        if self._restored:
+            self.weight_sync.load_state_dict(self._restored)
+        self.weight_sync.setup(
+            pl_module,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            collectives=Collectives(
+                broadcast=lambda obj: strategy.broadcast(obj, src=0),
+                any_flag=lambda flag: strategy.reduce_boolean_decision(flag, all=False),
+            ),
+        )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active(trainer):
+            self._report(trainer, pl_module, self.weight_sync.sync_at_fit_start(trainer.global_step))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Called after every micro-batch; global_step moves once per optimizer
+        # step and WeightSync ignores repeats, so accumulation is handled.
+        if self._active(trainer) and self.weight_sync.maybe_sync(trainer.global_step):
+            self._report(trainer, pl_module, self.weight_sync.last_result, log_on="step")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active(trainer) and self.weight_sync.maybe_sync(trainer.global_step, epoch_end=True):
+            self._report(trainer, pl_module, self.weight_sync.last_result, log_on="epoch")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active(trainer):
+            self._report(trainer, pl_module, self.weight_sync.sync_at_train_end(trainer.global_step))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.weight_sync is not None:
+            # Keep the counters for a checkpoint written after fit.
+            self._restored = self.weight_sync.state_dict()
+            self.weight_sync.close()
+            self.weight_sync = None
+
+    # -- manual syncs and metrics ------------------------------------------
+
+    def sync_now(self, trainer: pl.Trainer, version: str | None = None) -> SyncResult | None:
+        """Sync right now (e.g. after each rollout batch of a custom loop).
+
+        Call on every rank: the gathers of a sharded model are collectives.
+        Returns the round's metrics, or ``None`` if it failed under
+        ``on_error="warn"``.
+        """
+        if self.weight_sync is None:
+            raise RuntimeError("sync_now() works between on_fit_start and teardown of a fit")
+        result = self.weight_sync.sync(trainer.global_step, version)
+        self._report(trainer, trainer.lightning_module, result)
+        return result
+
+    def _report(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        result: SyncResult | None,
+        *,
+        log_on: str | None = None,
+    ) -> None:
+        """Metrics through ``pl_module.log`` where the hook allows it
+        (``log_on``: ``"step"`` or ``"epoch"``), else straight to the loggers."""
+        if result is None or self.weight_sync is None:
+            return
+        metrics = {**result.metrics(), "weight_sync/version": float(self.weight_sync.syncs_completed)}
+        if log_on is not None:
+            pl_module.log_dict(
+                metrics, on_step=log_on == "step", on_epoch=log_on == "epoch", rank_zero_only=True, sync_dist=False
+            )
+        elif trainer.is_global_zero:
+            # Lightning refuses self.log in on_train_start/on_train_end.
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        rank_zero_info(
+            f"weight sync {result.version}: {result.seconds:.3f} s, {result.bytes / 1e6:.1f} MB, "
+            f"{result.gbps:.2f} GB/s (gather {result.gather_seconds:.3f} s)"
+        )

@@ -1,0 +1,160 @@
+"""A small Lightning training run with WeightSyncCallback, used by the tests.
+
+Runs in the pytest process (``run(...)``) or under torchrun for the
+multi-process strategies (``python -m torch.distributed.run ... lightning_app.py
+--out result.json ...``). Rank 0 writes what the test checks: the trainer's
+final checksums (gathered, so FSDP2 shards are compared whole) and the
+callback's state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.support import models  # noqa: E402
+from wt_callbacks.checksums import module_checksums  # noqa: E402
+from wt_callbacks.integrations.lightning import WeightSyncCallback  # noqa: E402
+
+
+class RandomRegression(Dataset):
+    """A fixed-size dataset so epochs have a known number of batches."""
+
+    def __init__(self, batches: int, batch_size: int = 8, width: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(batches * batch_size, width, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.x[i]
+
+
+class TinyModule(pl.LightningModule):
+    """``self.model`` is what the receivers host (tests.support.models.TinyMLP)."""
+
+    def __init__(self, weight_sync: dict, shard: bool = False, step_sleep_s: float = 0.0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = models.tiny_mlp(seed=0)
+
+    def configure_model(self) -> None:
+        if not self.hparams.shard:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.hparams.step_sleep_s:
+            time.sleep(self.hparams.step_sleep_s)
+        return self.model(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class StepHook(pl.Callback):
+    """Calls ``fn(step)`` once after each optimizer step (for fault injection)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.last = fn, -1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.last:
+            self.last = trainer.global_step
+            self.fn(trainer.global_step)
+
+
+def run(
+    weight_sync: dict,
+    *,
+    strategy: str = "auto",
+    devices: int = 1,
+    max_steps: int = -1,
+    max_epochs: int | None = None,
+    batches: int = 64,
+    accumulate: int = 1,
+    ckpt_dir: str | None = None,
+    resume_from: str | None = None,
+    step_sleep_s: float = 0.0,
+    extra_callbacks: list[pl.Callback] | None = None,
+    callback_kwargs: dict | None = None,
+) -> dict:
+    """Fit ``TinyModule`` with a ``WeightSyncCallback``; returns what rank 0 saw."""
+    shard = strategy == "model_parallel"
+    if shard:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy_obj = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    else:
+        strategy_obj = strategy
+    sync = WeightSyncCallback(**(callback_kwargs or {}))
+    callbacks: list[pl.Callback] = [sync, *(extra_callbacks or [])]
+    if ckpt_dir:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy_obj,
+        max_steps=max_steps,
+        max_epochs=max_epochs,
+        accumulate_grad_batches=accumulate,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=bool(ckpt_dir),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    module = TinyModule(weight_sync, shard=shard, step_sleep_s=step_sleep_s)
+    trainer.fit(module, DataLoader(RandomRegression(batches), batch_size=8), ckpt_path=resume_from)
+    wire = weight_sync.get("dtype")
+    # What the receiver must hold; a collective when sharded: every rank calls it.
+    checksums = module_checksums(module.model, via_dtype=getattr(torch, wire) if wire else None)
+    return {
+        "global_step": trainer.global_step,
+        "checksums": checksums,
+        "state": sync.state_dict(),
+        "rank": trainer.global_rank,
+        "sharded": any(type(p).__name__ == "DTensor" for p in module.model.parameters()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--weight-sync", required=True, help="JSON of the weight_sync section")
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    result = run(
+        json.loads(args.weight_sync),
+        strategy=args.strategy,
+        devices=args.devices,
+        max_steps=args.max_steps,
+        accumulate=args.accumulate,
+    )
+    if result["rank"] == 0:
+        Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

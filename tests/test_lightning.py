@@ -1,0 +1,159 @@
+"""WeightSyncCallback in real Trainer.fit runs on CPU, syncing into receiver processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from tests.support.lightning_app import StepHook, run
+from tests.support.procs import REPO_ROOT, free_port
+
+pytest.importorskip("lightning")
+
+TIMEOUT_S = 30
+
+
+def served(url: str) -> dict:
+    info = requests.get(f"{url}/weight_info", timeout=TIMEOUT_S).json()
+    info["checksums"] = requests.get(f"{url}/weight_checksums", timeout=TIMEOUT_S).json()["checksums"]
+    return info
+
+
+def section(url: str, **keys) -> dict:
+    return {"servers": [url], "module": "model", "timeout_s": TIMEOUT_S, **keys}
+
+
+def test_accumulation_counts_optimizer_steps(receiver_proc):
+    receiver = receiver_proc()
+    result = run(section(receiver.url, every_n_train_steps=3), max_steps=9, accumulate=2)
+    info = served(receiver.url)
+    # 18 micro-batches, 9 optimizer steps: the cold sync, every third step, and
+    # no final sync because step 9 is already on the server.
+    assert info["version_history"] == ["step-0", "step-3", "step-6", "step-9"]
+    assert info["checksums"] == result["checksums"]
+    assert result["state"]["syncs_completed"] == 4 and result["state"]["last_synced_step"] == 9
+
+
+def test_arguments_override_hparams_and_final_sync(receiver_proc):
+    receiver = receiver_proc()
+    result = run(
+        section(receiver.url, every_n_train_steps=100, sync_on_fit_start=True),
+        max_steps=5,
+        callback_kwargs={"every_n_train_steps": 2, "sync_on_fit_start": False},
+    )
+    info = served(receiver.url)
+    assert info["version_history"] == ["step-2", "step-4", "step-5"]
+    assert info["checksums"] == result["checksums"]
+
+
+def test_every_n_epochs(receiver_proc):
+    receiver = receiver_proc()
+    result = run(section(receiver.url, every_n_epochs=2), max_epochs=4, batches=3)
+    assert served(receiver.url)["version_history"] == ["step-0", "step-6", "step-12"]
+    assert served(receiver.url)["checksums"] == result["checksums"]
+
+
+def test_train_time_interval(receiver_proc):
+    receiver = receiver_proc()
+    run(section(receiver.url, train_time_interval=0.6), max_steps=12, step_sleep_s=0.2)
+    versions = served(receiver.url)["version_history"]
+    steps = [int(v.split("-")[1]) for v in versions]
+    assert steps[0] == 0 and steps[-1] == 12
+    timed = steps[1:-1] if steps[-1] != steps[-2] else steps[1:]
+    # ~0.2 s per step and a 0.6 s interval: time-triggered syncs happened, at
+    # least two steps apart (wall-clock scheduling noise allowed for).
+    assert len(timed) >= 1
+    assert all(b - a >= 2 for a, b in zip([0, *timed], timed))
+
+
+def test_resume_cold_syncs_then_cadence_continues(receiver_proc, tmp_path):
+    receiver = receiver_proc()
+    ws = section(receiver.url, every_n_train_steps=3)
+    first = run(ws, max_steps=6, ckpt_dir=str(tmp_path))
+    assert first["state"]["last_synced_step"] == 6
+    ckpt = next(p for p in tmp_path.iterdir() if "step=6" in p.name)
+    second = run(ws, max_steps=9, resume_from=str(ckpt))
+    info = served(receiver.url)
+    # A cold sync after the resume (the server may hold anything), then on cadence.
+    assert info["version_history"] == ["step-0", "step-3", "step-6", "step-6", "step-9"]
+    assert info["checksums"] == second["checksums"]
+    # Counters continued from the checkpoint.
+    assert second["state"]["syncs_completed"] == 5
+
+
+def test_warn_survives_a_dead_server_and_resyncs_when_it_is_back(receiver_proc, caplog):
+    port = free_port()
+    procs = {"current": receiver_proc(port=port)}
+
+    def chaos(step: int) -> None:
+        if step == 3:
+            procs["current"].kill()
+        if step == 7:
+            procs["current"] = receiver_proc(port=port)
+
+    caplog.set_level(logging.WARNING, logger="wt_callbacks")
+    result = run(
+        section(procs["current"].url, every_n_train_steps=2, on_error="warn", timeout_s=10),
+        max_steps=12,
+        extra_callbacks=[StepHook(chaos)],
+    )
+    assert result["global_step"] == 12
+    failures = [r for r in caplog.records if "training continues" in r.getMessage()]
+    assert failures, "the failed rounds must be logged"
+    info = served(procs["current"].url)
+    # The restarted server got the rounds after it came back, and the final weights.
+    assert info["version_history"][-1] == "step-12"
+    assert set(info["version_history"]) <= {"step-8", "step-10", "step-12"}
+    assert info["checksums"] == result["checksums"]
+
+
+def test_raise_stops_fit_with_the_server_error(receiver_proc):
+    receiver = receiver_proc()
+
+    def kill(step: int) -> None:
+        if step == 2:
+            receiver.kill()
+
+    from wt_callbacks.transfer import WeightTransferError
+
+    with pytest.raises(WeightTransferError, match="weight sync round for step 4"):
+        run(section(receiver.url, every_n_train_steps=2, timeout_s=10), max_steps=8, extra_callbacks=[StepHook(kill)])
+
+
+def test_misconfiguration_fails_in_setup_before_training(receiver_proc):
+    with pytest.raises(ValueError, match="every_n_train_steps and every_n_epochs are mutually exclusive"):
+        run({"servers": ["http://127.0.0.1:9"], "every_n_train_steps": 2, "every_n_epochs": 1}, max_steps=2)
+    with pytest.raises(ValueError, match="no servers to sync to"):
+        run({"every_n_train_steps": 2}, max_steps=2)
+    with pytest.raises(ValueError, match="did you mean 'every_n_train_steps'"):
+        run({"servers": ["http://127.0.0.1:9"], "every_n_train_step": 2}, max_steps=2)
+
+
+def _torchrun(tmp_path, weight_sync: dict, strategy: str) -> dict:
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(REPO_ROOT / "tests/support/lightning_app.py"),
+        "--weight-sync", json.dumps(weight_sync), "--strategy", strategy, "--devices", "2",
+        "--max-steps", "6", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "model_parallel"])
+def test_two_process_strategies(receiver_proc, tmp_path, strategy):
+    receiver = receiver_proc()
+    result = _torchrun(tmp_path, section(receiver.url, every_n_train_steps=3, dtype="bfloat16"), strategy)
+    info = served(receiver.url)
+    assert info["version_history"] == ["step-0", "step-3", "step-6"]
+    # bf16 on the wire: the fp32 receiver holds the trainer's weights rounded through bf16.
+    assert info["checksums"] == result["checksums"]
+    assert result["state"]["syncs_completed"] == 3
+    assert result["sharded"] == (strategy == "model_parallel")
