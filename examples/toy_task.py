@@ -93,3 +93,16 @@ def training_batch(tokenizer, rng: random.Random, batch_size: int) -> dict[str, 
 
 def accuracy(answers: list[str], pairs: list[tuple[str, str]]) -> float:
     return sum(a.strip() == expected for a, (_, expected) in zip(answers, pairs)) / len(pairs)
+
+
+def main() -> None:
+    """``python examples/toy_task.py DIR``: write the untrained model + tokenizer to DIR."""
+    import sys
+
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python examples/toy_task.py OUTPUT_DIR")
+    print(save_pretrained(sys.argv[1], seed=1))
+
+
+if __name__ == "__main__":
+    main()

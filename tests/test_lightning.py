@@ -157,3 +157,28 @@ def test_two_process_strategies(receiver_proc, tmp_path, strategy):
     assert info["checksums"] == result["checksums"]
     assert result["state"]["syncs_completed"] == 3
     assert result["sharded"] == (strategy == "model_parallel")
+
+
+def test_lightning_cli_yaml(receiver_proc, tmp_path):
+    """The example YAML drives the callback through LightningCLI into a receiver
+    started with the CLI's --model on a saved transformers checkpoint."""
+    model_dir = tmp_path / "toy"
+    subprocess.run([sys.executable, "examples/toy_task.py", str(model_dir)], cwd=REPO_ROOT, check=True, timeout=120)
+    receiver = receiver_proc("", extra_args=("--model", str(model_dir)))
+    config = (REPO_ROOT / "examples/lightning_cli.yaml").read_text()
+    config = config.replace("http://127.0.0.1:8000", receiver.url).replace("max_steps: 100", "max_steps: 50")
+    (tmp_path / "cli.yaml").write_text(config)
+    proc = subprocess.run(
+        [sys.executable, "examples/lightning_cli.py", "fit", "--config", str(tmp_path / "cli.yaml")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    # The callback's every_n_train_steps (25) overrode the section's (50).
+    assert served(receiver.url)["version_history"] == ["step-0", "step-25", "step-50"]
+    name = requests.get(f"{receiver.url}/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+    answer = requests.post(
+        f"{receiver.url}/v1/completions",
+        json={"model": name, "prompt": "a b c d |", "max_tokens": 4, "temperature": 0, "logprobs": 1},
+        timeout=TIMEOUT_S,
+    ).json()["choices"][0]
+    assert len(answer["logprobs"]["token_logprobs"]) == 4
