@@ -1,0 +1,34 @@
+"""The README's main job and the examples run as a user runs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.procs import REPO_ROOT
+
+
+def run_example(*args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout + proc.stderr
+
+
+def test_lightning_quickstart_with_the_embedded_receiver():
+    out = run_example("examples/lightning_quickstart.py", "--steps", "60", "--sync-every", "20", "--dtype", "bfloat16")
+    for version in ("step-0", "step-20", "step-40", "step-60"):
+        assert f"weight sync {version}:" in out
+        assert f"served {version:>9} solves" in out
+    assert "receiver checksums equal the trainer's weights: True" in out
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_plain_torch_loop(dtype):
+    args = ["examples/plain_torch_loop.py", "--steps", "40", "--sync-every", "20"]
+    out = run_example(*args, *(["--dtype", dtype] if dtype else []))
+    assert "server versions: ['step-20', 'step-40']" in out
+    assert "receiver checksums equal the trainer's: True" in out
