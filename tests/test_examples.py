@@ -32,3 +32,12 @@ def test_plain_torch_loop(dtype):
     out = run_example(*args, *(["--dtype", dtype] if dtype else []))
     assert "server versions: ['step-20', 'step-40']" in out
     assert "receiver checksums equal the trainer's: True" in out
+
+
+def test_accelerate_loop_two_processes_with_the_example_config():
+    out = run_example(
+        "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate_config.yaml",
+        "examples/accelerate_loop.py", "--steps", "60",
+    )  # fmt: skip
+    assert "versions served: ['step-0', 'step-30', 'step-60']" in out
+    assert "receiver checksums equal the trainer's weights: True" in out

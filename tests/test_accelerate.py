@@ -1,0 +1,125 @@
+"""WeightSyncHook in real ``accelerate launch`` runs, syncing into receiver processes.
+
+Accelerate cannot run FSDP on a CPU (``--cpu`` and FSDP are exclusive, and an
+FSDP plugin passed in code silently falls back to DDP), so these tests cover
+single-process and 2-process MULTI_CPU (DDP over gloo); FSDP2 (DTensor
+parameters, the same path Accelerate's FSDP2 takes) is covered by the
+driver's and Lightning's torchrun tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from tests.support import models
+from tests.support.procs import REPO_ROOT
+
+pytest.importorskip("accelerate")
+
+APP = str(REPO_ROOT / "tests/support/accelerate_app.py")
+NAMES = {n for n, _ in models.tiny_mlp().named_parameters()}
+
+
+def served(url: str) -> dict:
+    info = requests.get(f"{url}/weight_info", timeout=30).json()
+    info["checksums"] = requests.get(f"{url}/weight_checksums", timeout=30).json()["checksums"]
+    return info
+
+
+def launch(tmp_path, *args: str, processes: int = 1) -> dict:
+    out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}.json"
+    if processes == 1:
+        cmd = [sys.executable, APP]
+    else:
+        # `--cpu --num_processes 2` would silently run ONE process; `--multi_gpu`
+        # with Accelerator(cpu=True) in the script gives two MULTI_CPU ranks.
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", APP,
+        ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, *args, "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "raw-optimizer", "manual"])
+def test_single_process_counts_real_optimizer_steps(receiver_proc, tmp_path, mode):
+    receiver = receiver_proc()
+    result = launch(tmp_path, "--server", receiver.url, "--steps", "9", "--grad-accum", "2", "--every", "3", "--mode", mode)
+    info = served(receiver.url)
+    # 18 micro-batches, 9 optimizer steps: cold sync + every third real step;
+    # step 9 is already served, so close() adds nothing.
+    assert info["version_history"] == ["step-0", "step-3", "step-6", "step-9"]
+    assert info["checksums"] == result["checksums"]
+    assert result["num_processes"] == 1 and result["state"]["global_step"] == 9
+
+
+def test_two_multi_cpu_processes(receiver_proc, tmp_path):
+    receiver = receiver_proc()
+    result = launch(tmp_path, "--server", receiver.url, "--steps", "9", processes=2)
+    assert result["num_processes"] == 2 and result["distributed_type"] == "DistributedType.MULTI_CPU"
+    info = served(receiver.url)
+    assert info["version_history"] == ["step-0", "step-3", "step-6", "step-9"]
+    assert info["checksums"] == result["checksums"]
+
+
+def test_compiled_model_sends_checkpoint_names(receiver_proc, tmp_path):
+    receiver = receiver_proc()
+    result = launch(tmp_path, "--server", receiver.url, "--steps", "3", "--compile")
+    info = served(receiver.url)
+    assert set(info["checksums"]) == NAMES  # no `_orig_mod.` reached the server
+    assert info["checksums"] == result["checksums"]
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_save_state_load_state_resume(receiver_proc, tmp_path, processes):
+    receiver = receiver_proc()
+    ckpt = str(tmp_path / "ckpt")
+    launch(tmp_path, "--server", receiver.url, "--steps", "6", "--save-dir", ckpt, processes=processes)
+    result = launch(tmp_path, "--server", receiver.url, "--steps", "9", "--load-dir", ckpt, processes=processes)
+    info = served(receiver.url)
+    # Second run: its cold sync waits for load_state and sends the restored
+    # step-6 weights (not fresh ones), then the cadence continues.
+    assert info["version_history"] == ["step-0", "step-3", "step-6", "step-6", "step-9"]
+    assert info["checksums"] == result["checksums"]
+    assert result["state"]["global_step"] == 9 and result["state"]["syncs_completed"] == 5
+
+
+def test_misconfiguration_and_dead_servers_fail_at_construction(tmp_path):
+    import time
+
+    import torch
+    from accelerate import Accelerator
+
+    from tests.support.procs import free_port
+    from wt_callbacks.integrations.accelerate import WeightSyncHook
+    from wt_callbacks.transfer import WeightTransferError
+
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(models.tiny_mlp(seed=0), torch.optim.SGD(models.tiny_mlp().parameters(), lr=1))
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError, match="unknown key 'every_n_train_step'; did you mean 'every_n_train_steps'"):
+        WeightSyncHook(accelerator, model, optimizer, servers=[dead], every_n_train_step=3)
+    with pytest.raises(ValueError, match="no such YAML file"):
+        WeightSyncHook(accelerator, model, optimizer, hparams=str(tmp_path / "missing.yaml"))
+    (tmp_path / "ws.yaml").write_text("weight_sync:\n  servers: [%s]\n  pause: later\n" % dead)
+    with pytest.raises(ValueError, match="pause='later' is not one of"):
+        WeightSyncHook(accelerator, model, optimizer, hparams=str(tmp_path / "ws.yaml"))
+    with pytest.raises(ValueError, match="optimizer was not prepared by this accelerator"):
+        WeightSyncHook(accelerator, model, torch.optim.SGD(model.parameters(), lr=1), servers=[dead])
+    start = time.monotonic()
+    with pytest.raises(WeightTransferError, match="cannot reach the server"):
+        WeightSyncHook(accelerator, model, optimizer, servers=[dead], timeout_s=5)
+    assert time.monotonic() - start < 10
+    # on_error="warn": the loop goes on without a server.
+    hook = WeightSyncHook(accelerator, model, optimizer, servers=[dead], timeout_s=5, on_error="warn")
+    optimizer.step()
+    hook.close()
+    assert hook.global_step == 1
