@@ -10,10 +10,14 @@ import sys
 import pytest
 import requests
 
-from tests.support.lightning_app import StepHook, run
-from tests.support.procs import REPO_ROOT, free_port
-
 pytest.importorskip("lightning")
+
+import lightning.pytorch as pl  # noqa: E402
+
+from tests.support import models  # noqa: E402
+from tests.support.lightning_app import StepHook, run  # noqa: E402
+from wt_callbacks.integrations.lightning import WeightSyncCallback  # noqa: E402
+from tests.support.procs import REPO_ROOT, free_port  # noqa: E402
 
 TIMEOUT_S = 30
 
@@ -182,3 +186,58 @@ def test_lightning_cli_yaml(receiver_proc, tmp_path):
         timeout=TIMEOUT_S,
     ).json()["choices"][0]
     assert len(answer["logprobs"]["token_logprobs"]) == 4
+
+
+class _CaptureLogger:
+    """A Lightning logger that keeps what it is given."""
+
+    def __new__(cls):
+        from lightning.pytorch.loggers.logger import Logger
+
+        class Capture(Logger):
+            name = "capture"
+            version = 0
+
+            def __init__(self):
+                super().__init__()
+                self.metrics: list[tuple[int, dict]] = []
+
+            def log_metrics(self, metrics, step=None):
+                self.metrics.append((step, dict(metrics)))
+
+            def log_hyperparams(self, params, *args, **kwargs):
+                pass
+
+        return Capture()
+
+
+def test_metrics_sync_now_and_two_callbacks(receiver_proc):
+    main, second = receiver_proc(), receiver_proc()
+    logger = _CaptureLogger()
+    other = WeightSyncCallback(servers=[second.url], module="model", every_n_train_steps=2, timeout_s=TIMEOUT_S)
+
+    def rollout(step: int) -> None:
+        if step == 3:
+            other.sync_now(trainer_of[0], version="after-rollout-3")
+
+    trainer_of = []
+
+    class Grab(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer_of.append(trainer)
+
+    result = run(
+        section(main.url, every_n_train_steps=4),
+        max_steps=4,
+        extra_sync_callbacks=[other],
+        extra_callbacks=[Grab(), StepHook(rollout)],
+        logger=logger,
+    )
+    assert served(main.url)["version_history"] == ["step-0", "step-4"]
+    assert served(second.url)["version_history"] == ["step-0", "step-2", "after-rollout-3", "step-4"]
+    assert served(second.url)["checksums"] == result["checksums"]
+    logged = {k for _, m in logger.metrics for k in m}
+    for key in ("seconds", "gather_seconds", "transfer_seconds", "bytes", "gbps", "version"):
+        assert f"weight_sync/{key}" in logged
+    bytes_logged = [m["weight_sync/bytes"] for _, m in logger.metrics if "weight_sync/bytes" in m]
+    assert all(b == sum(p.numel() * 4 for p in models.tiny_mlp().parameters()) for b in bytes_logged)

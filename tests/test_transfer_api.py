@@ -427,3 +427,34 @@ def test_receiver_port_in_use_is_named(receiver):
     port = int(receiver.url.rsplit(":", 1)[1])
     with pytest.raises(OSError, match=f"receiver cannot listen on 127.0.0.1:{port}"):
         Receiver(torch.nn.Linear(1, 1)).start(port=port)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_static_trainer_send_weights_older_call_style(receiver, packed):
+    """vLLM's older trainer API: the caller owns the group and the server calls."""
+    from wt_callbacks.checksums import module_checksums
+    from wt_callbacks.transfer.backends.torch_dist import TransferGroup, open_store, update_info_for
+
+    model = torch.nn.Linear(4, 4)
+    client = HTTPVLLMWeightSyncClient(receiver.url, timeout=10)
+    store = open_store("127.0.0.1", 0, 2, is_master=True, timeout_s=10)
+    init = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
+            "packed": packed, "packed_buffer_size_bytes": 16, "timeout_s": 10}  # fmt: skip
+    joining = threading.Thread(target=client.init_weight_transfer_engine, args=(init,))
+    joining.start()
+    group = TransferGroup.connect(
+        store, master_address="127.0.0.1", rank=0, world_size=2, timeout_s=10, transport="gloo", device=torch.device("cpu")
+    )
+    joining.join(10)
+    client.start_weight_update()
+    receiving = threading.Thread(target=client.update_weights, args=(update_info_for(ModuleSource(model).metadata()),))
+    receiving.start()
+    TorchDistWeightTransferEngine.trainer_send_weights(
+        model.named_parameters(), {"group": group, "packed": packed, "packed_buffer_size_bytes": 16}
+    )
+    receiving.join(10)
+    client.finish_weight_update("static")
+    group.destroy()
+    assert module_checksums(receiver.model) == module_checksums(model)
+    with pytest.raises(ValueError, match="trainer_args: missing required key 'group'"):
+        TorchDistWeightTransferEngine.trainer_send_weights(iter([]), {})

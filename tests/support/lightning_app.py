@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -94,6 +95,8 @@ def run(
     step_sleep_s: float = 0.0,
     extra_callbacks: list[pl.Callback] | None = None,
     callback_kwargs: dict | None = None,
+    extra_sync_callbacks: list[WeightSyncCallback] | None = None,
+    logger: Any = False,
 ) -> dict:
     """Fit ``TinyModule`` with a ``WeightSyncCallback``; returns what rank 0 saw."""
     shard = strategy == "model_parallel"
@@ -104,7 +107,7 @@ def run(
     else:
         strategy_obj = strategy
     sync = WeightSyncCallback(**(callback_kwargs or {}))
-    callbacks: list[pl.Callback] = [sync, *(extra_callbacks or [])]
+    callbacks: list[pl.Callback] = [sync, *(extra_sync_callbacks or []), *(extra_callbacks or [])]
     if ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
     trainer = pl.Trainer(
@@ -115,7 +118,7 @@ def run(
         max_epochs=max_epochs,
         accumulate_grad_batches=accumulate,
         callbacks=callbacks,
-        logger=False,
+        logger=logger,
         enable_checkpointing=bool(ckpt_dir),
         enable_progress_bar=False,
         enable_model_summary=False,
