@@ -1,0 +1,653 @@
+"""Trainer -> receiver weight-sync throughput of the ``torch_dist`` backend over loopback.
+
+Run from the repository root::
+
+    python benchmarks/transfer_throughput.py --params 100M --out benchmarks/results/transfer.json
+
+What it does:
+
+1. Builds a seeded, Llama-shaped fp32 model of about ``--params`` parameters
+   (embedding, N decoder layers of q/k/v/o + gate/up/down weights and two
+   norms, final norm, lm_head) with plain ``torch.nn``.
+2. Measures the ceiling: raw TCP throughput over 127.0.0.1 from this process
+   to a child process that ``recv_into``'s a large buffer.
+3. Starts the reference receiver in a separate process
+   (``python -m wt_callbacks.receiver --module-factory
+   benchmarks.transfer_throughput:receiver_model``; the size travels in the
+   ``WT_BENCH_PARAMS`` environment variable). Its model starts from another
+   seed, so a passing checksum proves the weights really travelled.
+4. For every configuration (packed 256 MiB x 2 buffers, packed 64 MiB x 2
+   buffers, unpacked; fp32 and bf16 wire) it re-seeds the trainer model,
+   runs ``trainer_init``, 1 warm-up + ``--rounds`` timed ``send_weights``,
+   then one more round while sampling this process's RSS every ~1 ms, and
+   finally compares the receiver's ``GET /weight_checksums`` with
+   ``module_checksums(model, via_dtype=...)``.
+
+Output: a JSON file (``--out``) and a markdown table on stdout. The exit
+status is 1 if any checksum differs. GB are 10^9 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import platform
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PARAMS_ENV = "WT_BENCH_PARAMS"
+"""Environment variable carrying ``--params`` to the receiver's model factory."""
+TRAINER_SEED = 0
+RECEIVER_SEED = 12345
+MiB = 1024**2
+GB = 1e9
+LOOPBACK = "127.0.0.1"
+
+
+# --------------------------------------------------------------------------- #
+# The synthetic model
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Dimensions of the synthetic Llama-shaped model."""
+
+    hidden: int
+    layers: int
+    vocab: int
+    intermediate: int
+
+    @property
+    def num_params(self) -> int:
+        h, i = self.hidden, self.intermediate
+        per_layer = 4 * h * h + 3 * h * i + 2 * h
+        return 2 * self.vocab * h + self.layers * per_layer + h
+
+
+def parse_size(text: str) -> int:
+    """``"100M"`` -> 100_000_000; accepts K, M, B/G suffixes and plain integers."""
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
+    text = text.strip().upper()
+    if text and text[-1] in scale:
+        return int(float(text[:-1]) * scale[text[-1]])
+    return int(text)
+
+
+def shape_for(target_params: int) -> ModelShape:
+    """A Llama-like shape with about ``target_params`` parameters.
+
+    Vocab is ``min(32000, 64 * hidden)`` and the MLP width is 8/3 of hidden
+    rounded up to a multiple of 64 (Llama's ratios). The hidden size is the
+    largest power-of-two-ish width whose layer count stays >= hidden / 32,
+    i.e. a model deeper than it is wide, as real LLMs are.
+    """
+    best = None
+    for hidden in (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096):
+        vocab = min(32000, 64 * hidden)
+        intermediate = 64 * math.ceil(8 * hidden / 3 / 64)
+        probe = ModelShape(hidden, 1, vocab, intermediate)
+        per_layer = probe.num_params - ModelShape(hidden, 0, vocab, intermediate).num_params
+        layers = round((target_params - 2 * vocab * hidden - hidden) / per_layer)
+        if layers >= max(1, hidden // 32):
+            best = ModelShape(hidden, layers, vocab, intermediate)
+    if best is None:
+        raise ValueError(f"--params {target_params} is too small for this model family (minimum about 1M)")
+    return best
+
+
+class DecoderLayer(nn.Module):
+    """The parameters of one Llama decoder layer (no forward: only weights are synced)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.self_attn = nn.ModuleDict(
+            {name: nn.Linear(hidden, hidden, bias=False) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        )
+        self.mlp = nn.ModuleDict(
+            {
+                "gate_proj": nn.Linear(hidden, intermediate, bias=False),
+                "up_proj": nn.Linear(hidden, intermediate, bias=False),
+                "down_proj": nn.Linear(intermediate, hidden, bias=False),
+            }
+        )
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = nn.Parameter(torch.empty(hidden))
+        self.post_attention_layernorm = nn.Module()
+        self.post_attention_layernorm.weight = nn.Parameter(torch.empty(hidden))
+
+
+class SyntheticLlama(nn.Module):
+    """Llama-shaped parameter container with Hugging Face parameter names."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(shape.vocab, shape.hidden)
+        self.model.layers = nn.ModuleList(DecoderLayer(shape.hidden, shape.intermediate) for _ in range(shape.layers))
+        self.model.norm = nn.Module()
+        self.model.norm.weight = nn.Parameter(torch.empty(shape.hidden))
+        self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
+
+
+def reseed(model: nn.Module, seed: int) -> None:
+    """Overwrite every parameter in place with seeded values (N(0, 0.02); norms around 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.02, generator=generator)
+            if "norm" in name:
+                param.add_(1.0)
+
+
+def build_model(shape: ModelShape, seed: int) -> SyntheticLlama:
+    """The synthetic fp32 model, allocated without torch's default init, then seeded."""
+    with torch.device("meta"):
+        model = SyntheticLlama(shape)
+    model = model.to_empty(device="cpu")
+    reseed(model, seed)
+    return model
+
+
+def receiver_model() -> nn.Module:
+    """Module factory for the receiver process: same shape, different seed."""
+    return build_model(shape_for(parse_size(os.environ[PARAMS_ENV])), RECEIVER_SEED)
+
+
+# --------------------------------------------------------------------------- #
+# The TCP ceiling
+# --------------------------------------------------------------------------- #
+
+
+def _tcp_sink(port: int, total_bytes: int, block_bytes: int, trials: int, timeout_s: float) -> None:
+    """Child process: receive ``total_bytes`` ``trials`` times, acking each with one byte."""
+    buffer = memoryview(bytearray(block_bytes))
+    with socket.create_connection((LOOPBACK, port), timeout=timeout_s) as sock:
+        for _ in range(trials):
+            received = 0
+            while received < total_bytes:
+                n = sock.recv_into(buffer, min(block_bytes, total_bytes - received))
+                if n == 0:
+                    raise ConnectionError("the sender closed the connection early")
+                received += n
+            sock.sendall(b"\x01")
+
+
+def measure_tcp_ceiling(total_bytes: int, block_bytes: int, trials: int, timeout_s: float) -> dict[str, Any]:
+    """Raw loopback TCP throughput from this process to a child process.
+
+    The parent ``sendall``'s ``total_bytes`` in ``block_bytes`` blocks; the
+    clock stops when the child acknowledges the last byte. The best of
+    ``trials`` is the ceiling.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(1)
+        listener.settimeout(timeout_s)
+        child = ctx.Process(
+            target=_tcp_sink,
+            args=(listener.getsockname()[1], total_bytes, block_bytes, trials, timeout_s),
+            daemon=True,
+        )
+        child.start()
+        try:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(timeout_s)
+                payload = memoryview(bytearray(os.urandom(1024)) * (block_bytes // 1024))
+                seconds = []
+                for _ in range(trials):
+                    start = time.perf_counter()
+                    remaining = total_bytes
+                    while remaining:
+                        n = min(block_bytes, remaining)
+                        conn.sendall(payload[:n])
+                        remaining -= n
+                    if conn.recv(1) != b"\x01":
+                        raise ConnectionError("the TCP sink did not acknowledge the transfer")
+                    seconds.append(time.perf_counter() - start)
+        finally:
+            child.join(timeout=timeout_s)
+            if child.is_alive():
+                child.kill()
+                child.join(timeout=10)
+    best = min(seconds)
+    return {
+        "bytes": total_bytes,
+        "block_bytes": block_bytes,
+        "trial_seconds": seconds,
+        "best_seconds": best,
+        "gbps": total_bytes / best / GB,
+    }
+
+
+# --------------------------------------------------------------------------- #
+# The receiver process
+# --------------------------------------------------------------------------- #
+
+
+class ReceiverProcess:
+    """``python -m wt_callbacks.receiver`` in a child process, stopped by PID on exit.
+
+    ``torch_threads`` (if > 0) becomes the child's ``OMP_NUM_THREADS``.
+    """
+
+    def __init__(self, params_text: str, log_path: Path, start_timeout_s: float, torch_threads: int) -> None:
+        self.params_text = params_text
+        self.torch_threads = torch_threads
+        self.log_path = log_path
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[str] | None = None
+        self.url: str | None = None
+
+    def __enter__(self) -> ReceiverProcess:
+        env = dict(os.environ)
+        env[PARAMS_ENV] = self.params_text
+        if self.torch_threads > 0:
+            env["OMP_NUM_THREADS"] = str(self.torch_threads)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        cmd = [
+            sys.executable, "-m", "wt_callbacks.receiver",
+            "--module-factory", f"benchmarks.transfer_throughput:{receiver_model.__name__}",
+            "--host", LOOPBACK, "--port", "0",
+        ]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            self.url = self._wait_for_url()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_for_url(self) -> str:
+        """Read stdout on a thread until the "serving on URL" line, for at most ``start_timeout_s``."""
+        assert self.proc is not None and self.proc.stdout is not None
+        lines: queue.Queue[str | None] = queue.Queue()
+        stdout = self.proc.stdout
+
+        def pump() -> None:
+            for line in stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, name="receiver-stdout", daemon=True).start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            try:
+                line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise TimeoutError(
+                    f"the receiver did not print its URL within {self.start_timeout_s:g} s; see {self.log_path}"
+                ) from None
+            if line is None:
+                raise RuntimeError(f"the receiver exited with {self.proc.wait(timeout=10)}; see {self.log_path}")
+            if "serving on" in line:
+                return line.rsplit(" ", 1)[-1].strip()
+
+    def stop(self) -> None:
+        """SIGTERM the receiver by PID, SIGKILL it if it is still alive after 10 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def checksums(self, timeout_s: float) -> dict[str, str]:
+        """The receiver's ``GET /weight_checksums``."""
+        import requests
+
+        response = requests.get(f"{self.url}/weight_checksums", timeout=timeout_s)
+        response.raise_for_status()
+        return response.json()["checksums"]
+
+
+# --------------------------------------------------------------------------- #
+# The trainer side
+# --------------------------------------------------------------------------- #
+
+
+def make_timed_client(url: str, timeout_s: float) -> Any:
+    """An ``HTTPVLLMWeightSyncClient`` that records how long each weight-sync call took."""
+    from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient
+
+    class TimedClient(HTTPVLLMWeightSyncClient):
+        """Records ``call -> seconds`` of the last round in ``self.call_seconds``."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.call_seconds: dict[str, float] = {}
+
+        def _timed(self, call: str, fn: Any, *args: Any) -> None:
+            start = time.perf_counter()
+            try:
+                fn(*args)
+            finally:
+                self.call_seconds[call] = time.perf_counter() - start
+
+        def start_weight_update(self) -> None:
+            self.call_seconds = {}
+            self._timed("start_weight_update", super().start_weight_update)
+
+        def update_weights(self, update_info: Any) -> None:
+            self._timed("update_weights", super().update_weights, update_info)
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            self._timed("finish_weight_update", super().finish_weight_update, weight_version)
+
+    return TimedClient(url, timeout=timeout_s)
+
+
+class RssSampler:
+    """Peak RSS of this process above a baseline, sampled on a thread every ~``interval_s``."""
+
+    _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.interval_s = interval_s
+        self.baseline = 0
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    @classmethod
+    def rss(cls) -> int:
+        """Current resident set size in bytes (from ``/proc/self/statm``)."""
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * cls._PAGE
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self.rss())
+            self.samples += 1
+
+    def __enter__(self) -> RssSampler:
+        self.baseline = self.peak = self.rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.baseline
+
+
+class CpuLoadMeter:
+    """Average CPU cores used by *other* processes while the block runs.
+
+    The machine may be shared: anything else running inflates the timings,
+    so each configuration reports how busy the rest of the machine was
+    (``/proc/stat`` busy time minus this process's and ``pids``' CPU time).
+    """
+
+    _TICK = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, *pids: int) -> None:
+        self.pids = (os.getpid(), *pids)
+        self.other_cores = 0.0
+
+    @classmethod
+    def _machine_busy_seconds(cls) -> float:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+        return (user + nice + system + irq + softirq) / cls._TICK
+
+    @classmethod
+    def _process_seconds(cls, pid: int) -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / cls._TICK  # utime + stime
+
+    def _snapshot(self) -> tuple[float, float, float]:
+        ours = sum(self._process_seconds(pid) for pid in self.pids)
+        return time.monotonic(), self._machine_busy_seconds(), ours
+
+    def __enter__(self) -> CpuLoadMeter:
+        self._start = self._snapshot()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        end = self._snapshot()
+        wall = end[0] - self._start[0]
+        others = (end[1] - self._start[1]) - (end[2] - self._start[2])
+        self.other_cores = max(others, 0.0) / wall if wall > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """One measured configuration: a name and the trainer config dict."""
+
+    name: str
+    config: dict[str, Any]
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.config["dtype"]) if self.config.get("dtype") else None
+
+
+def sync_configs(timeout_s: float) -> list[SyncConfig]:
+    """Packed 256 MiB x 2 (the default), packed 64 MiB x 2 and unpacked, each on an fp32 and a bf16 wire."""
+    layouts = {
+        "packed 256MiB x2": {"packed": True, "packed_buffer_size_bytes": 256 * MiB, "packed_num_buffers": 2},
+        "packed 64MiB x2": {"packed": True, "packed_buffer_size_bytes": 64 * MiB, "packed_num_buffers": 2},
+        "unpacked": {"packed": False},
+    }
+    return [
+        SyncConfig(f"{layout} {wire}", {**cfg, "dtype": dtype, "timeout_s": timeout_s})
+        for wire, dtype in (("fp32", None), ("bf16", "bfloat16"))
+        for layout, cfg in layouts.items()
+    ]
+
+
+def rss_bound(model: nn.Module, sync: SyncConfig) -> int:
+    """``num_buffers x packed_buffer_size_bytes + largest tensor bytes`` (on the wire dtype)."""
+    wire = sync.wire_dtype
+    largest = max(p.numel() * (wire or p.dtype).itemsize for p in model.parameters())
+    if not sync.config["packed"]:
+        return largest
+    return sync.config["packed_num_buffers"] * sync.config["packed_buffer_size_bytes"] + largest
+
+
+def run_config(
+    model: nn.Module, receiver: ReceiverProcess, sync: SyncConfig, *, rounds: int, seed: int, timeout_s: float
+) -> dict[str, Any]:
+    """Warm-up, ``rounds`` timed rounds, one RSS-sampled round, then the checksum check."""
+    from wt_callbacks.checksums import module_checksums
+    from wt_callbacks.transfer import ModuleSource, WeightTransferTrainerFactory
+
+    reseed(model, seed)
+    client = make_timed_client(receiver.url, timeout_s)
+    init_info = {"master_address": LOOPBACK, "master_port": 0, "rank": 0}
+    try:
+        engine = WeightTransferTrainerFactory.trainer_init(
+            "torch_dist", sync.config, init_info, client=client, source=ModuleSource(model)
+        )
+        try:
+            engine.send_weights("v")  # warm-up
+            timed = []
+            with CpuLoadMeter(receiver.proc.pid) as load:
+                for _ in range(rounds):
+                    engine.send_weights("v")
+                    timed.append({**vars(engine.last_stats), **{f"{k}_s": v for k, v in client.call_seconds.items()}})
+            with RssSampler() as rss:
+                engine.send_weights("v")
+        finally:
+            engine.shutdown()
+    finally:
+        client.close()
+    expected = module_checksums(model, via_dtype=sync.wire_dtype)
+    got = receiver.checksums(timeout_s)
+    mismatched = sorted(name for name in expected if got.get(name) != expected[name])
+    mismatched += sorted(set(got) - set(expected))
+    seconds = [r["seconds"] for r in timed]
+    sent = timed[-1]["bytes"]
+    bound = rss_bound(model, sync)
+    return {
+        "name": sync.name,
+        "config": sync.config,
+        "bytes": sent,
+        "tensors": timed[-1]["tensors"],
+        "rounds": timed,
+        "median_s": statistics.median(seconds),
+        "min_s": min(seconds),
+        "gbps_median": sent / statistics.median(seconds) / GB,
+        "gbps_best": sent / min(seconds) / GB,
+        "median_gather_s": statistics.median(r["gather_seconds"] for r in timed),
+        "median_call_s": {
+            call: statistics.median(r[f"{call}_s"] for r in timed)
+            for call in ("start_weight_update", "update_weights", "finish_weight_update")
+        },
+        "other_cpu_cores": load.other_cores,
+        "rss": {
+            "baseline_bytes": rss.baseline,
+            "peak_extra_bytes": rss.extra,
+            "bound_bytes": bound,
+            "ratio_to_bound": rss.extra / bound,
+            "samples": rss.samples,
+            "round_seconds": engine.last_stats.seconds,
+        },
+        "checksum": {"passed": not mismatched, "mismatched": len(mismatched), "first_mismatched": mismatched[:5]},
+    }
+
+
+# --------------------------------------------------------------------------- #
+# Report
+# --------------------------------------------------------------------------- #
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The results as a markdown table (one row per configuration plus the TCP ceiling)."""
+    tcp = result["tcp_ceiling"]
+    header = (
+        "| config | MB sent | median s | min s | GB/s (median) | vs TCP | gather s | "
+        "HTTP start+finish s | peak extra RSS MiB | bound MiB | RSS/bound | checksum | other load (cores) |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|\n"
+    )
+    rows = []
+    for c in result["configs"]:
+        calls = c["median_call_s"]
+        rows.append(
+            f"| {c['name']} | {c['bytes'] / 1e6:.0f} | {c['median_s']:.3f} | {c['min_s']:.3f} | "
+            f"{c['gbps_median']:.2f} | {c['ratio_to_tcp']:.0%} | {c['median_gather_s']:.3f} | "
+            f"{calls['start_weight_update'] + calls['finish_weight_update']:.3f} | "
+            f"{c['rss']['peak_extra_bytes'] / MiB:.0f} | {c['rss']['bound_bytes'] / MiB:.0f} | "
+            f"{c['rss']['ratio_to_bound']:.2f} | {'pass' if c['checksum']['passed'] else 'FAIL'} | "
+            f"{c['other_cpu_cores']:.2f} |"
+        )
+    rows.append(
+        f"| raw TCP ceiling | {tcp['bytes'] / 1e6:.0f} | | {tcp['best_seconds']:.3f} | {tcp['gbps']:.2f} "
+        "| 100% | | | | | | | |"
+    )
+    m = result["model"]
+    title = (
+        f"Synthetic Llama fp32: {m['params'] / 1e6:.1f}M params (hidden {m['hidden']}, {m['layers']} layers, "
+        f"vocab {m['vocab']}, {m['tensors']} tensors); {result['rounds']} timed rounds after 1 warm-up; "
+        f"{result['torch_threads']} torch thread(s) per process.\n\n"
+    )
+    return title + header + "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", default="100M", help="target parameter count, e.g. 100M or 2M (default 100M)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (default 5)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks/results/transfer.json")
+    parser.add_argument("--tcp-bytes", default="1G", help="bytes per raw-TCP trial (default 1G = 10^9)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="bound in seconds on every wait")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="intra-op threads of the trainer and of the receiver (default 1: the two processes share "
+        "this machine, and oversubscribed OpenMP copies stall; 0 keeps torch's default)",
+    )
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+
+    shape = shape_for(parse_size(args.params))
+    model = build_model(shape, TRAINER_SEED)
+    params = list(model.parameters())
+    print(f"model: {sum(p.numel() for p in params) / 1e6:.1f}M params, {shape}", flush=True)
+
+    tcp = measure_tcp_ceiling(parse_size(args.tcp_bytes), 64 * MiB, trials=3, timeout_s=args.timeout)
+    print(f"raw TCP ceiling: {tcp['gbps']:.2f} GB/s", flush=True)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    configs = []
+    with tempfile.NamedTemporaryFile(prefix="wt-receiver-", suffix=".log", delete=False) as log:
+        log_path = Path(log.name)
+    with ReceiverProcess(args.params, log_path, args.timeout, args.torch_threads) as receiver:
+        print(f"receiver (pid {receiver.proc.pid}) on {receiver.url}; log {log_path}", flush=True)
+        for i, sync in enumerate(sync_configs(args.timeout)):
+            row = run_config(model, receiver, sync, rounds=args.rounds, seed=TRAINER_SEED + 1 + i, timeout_s=args.timeout)
+            row["ratio_to_tcp"] = row["gbps_median"] / tcp["gbps"]
+            configs.append(row)
+            print(
+                f"{sync.name}: median {row['median_s']:.3f} s, {row['gbps_median']:.2f} GB/s, "
+                f"checksum {'pass' if row['checksum']['passed'] else 'FAIL'}",
+                flush=True,
+            )
+
+    result = {
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_1min_at_end": os.getloadavg()[0],
+        },
+        "model": {
+            "params": sum(p.numel() for p in params),
+            "tensors": len(params),
+            "largest_tensor_bytes": max(p.numel() * p.element_size() for p in params),
+            **vars(shape),
+        },
+        "rounds": args.rounds,
+        "torch_threads": torch.get_num_threads(),
+        "tcp_ceiling": tcp,
+        "configs": configs,
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print()
+    print(markdown_table(result))
+    print(f"\nwrote {args.out}")
+    failed = [c["name"] for c in configs if not c["checksum"]["passed"]]
+    if failed:
+        print(f"CHECKSUM FAILURE: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

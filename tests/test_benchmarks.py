@@ -1,0 +1,27 @@
+"""The benchmark harnesses run at smoke size so they never rot (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support.procs import REPO_ROOT
+
+
+def run(*args: str) -> None:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def test_transfer_throughput_smoke(tmp_path):
+    out = tmp_path / "transfer.json"
+    run("benchmarks/transfer_throughput.py", "--params", "2M", "--rounds", "1", "--tcp-bytes", "64M", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result  # every configuration's checksum passed, or the script exited 1
+
+
+def test_callback_overhead_smoke(tmp_path):
+    out = tmp_path / "overhead.json"
+    run("benchmarks/callback_overhead.py", "--steps", "30", "--repeats", "1", "--out", str(out))
+    assert {"median_step_s_without", "median_step_s_with", "median_hook_s"} <= set(json.loads(out.read_text()))
