@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,9 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.support import models  # noqa: E402
+from tests.support.vllm_server import load_toy_task  # noqa: E402
 from wt_callbacks.checksums import module_checksums  # noqa: E402
+from wt_callbacks.transfer import materialize_full_tensor  # noqa: E402
 from wt_callbacks.integrations.lightning import WeightSyncCallback  # noqa: E402
 
 
@@ -69,6 +72,41 @@ class TinyModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+class ToyLMModule(pl.LightningModule):
+    """The quickstart's causal LM (``self.model`` is a transformers Llama), for
+    syncing into a real vLLM server serving the same architecture."""
+
+    def __init__(self, weight_sync: dict, shard: bool = False, step_sleep_s: float = 0.0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        toy = load_toy_task()
+        self.tokenizer = toy.build_tokenizer()
+        self.model = toy.build_model(self.tokenizer, seed=0)
+        self._toy = toy
+        self._rng = random.Random(0)
+
+    def configure_model(self) -> None:
+        if not self.hparams.shard:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.hparams.step_sleep_s:
+            time.sleep(self.hparams.step_sleep_s)
+        return self.model(**self._toy.training_batch(self.tokenizer, self._rng, 16)).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+TASKS = {"regression": TinyModule, "toy-lm": ToyLMModule}
+
+
 class StepHook(pl.Callback):
     """Calls ``fn(step)`` once after each optimizer step (for fault injection)."""
 
@@ -97,6 +135,8 @@ def run(
     callback_kwargs: dict | None = None,
     extra_sync_callbacks: list[WeightSyncCallback] | None = None,
     logger: Any = False,
+    task: str = "regression",
+    state_out: str | None = None,
 ) -> dict:
     """Fit ``TinyModule`` with a ``WeightSyncCallback``; returns what rank 0 saw."""
     shard = strategy == "model_parallel"
@@ -124,8 +164,13 @@ def run(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    module = TinyModule(weight_sync, shard=shard, step_sleep_s=step_sleep_s)
+    module = TASKS[task](weight_sync, shard=shard, step_sleep_s=step_sleep_s)
     trainer.fit(module, DataLoader(RandomRegression(batches), batch_size=8), ckpt_path=resume_from)
+    if state_out:
+        # Full tensors (a gather per sharded parameter: every rank), saved by rank 0.
+        state = {n: materialize_full_tensor(p.detach()) for n, p in module.model.named_parameters()}
+        if trainer.global_rank == 0:
+            torch.save(state, state_out)
     wire = weight_sync.get("dtype")
     # What the receiver must hold; a collective when sharded: every rank calls it.
     checksums = module_checksums(module.model, via_dtype=getattr(torch, wire) if wire else None)
@@ -145,6 +190,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--task", choices=sorted(TASKS), default="regression")
+    parser.add_argument("--state-out", help="save the trained model's full state dict here (rank 0)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     result = run(
@@ -153,6 +200,8 @@ def main() -> None:
         devices=args.devices,
         max_steps=args.max_steps,
         accumulate=args.accumulate,
+        task=args.task,
+        state_out=args.state_out,
     )
     if result["rank"] == 0:
         Path(args.out).write_text(json.dumps(result))

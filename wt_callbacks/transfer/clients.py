@@ -187,6 +187,11 @@ class HTTPVLLMWeightSyncClient:
             ) from e
         if response.status_code >= 400:
             body = response.text[:2000]
+            if response.status_code >= 500:
+                # vLLM's server (uvicorn) closes the connection after a route
+                # raised; reusing the pooled one would fail the next call with
+                # a spurious ConnectionError. Drop the pool: the next call reconnects.
+                self._sessions[i].close()
             if response.status_code == 404:
                 detail = DEV_MODE_HINT
             elif response.status_code in (401, 403):

@@ -1,0 +1,370 @@
+"""Seconds per weight sync into a real vLLM server: our push vs reload-from-disk.
+
+Run from the repository root with the project venv, after
+``bash scripts/vllm_env.sh`` (which prints the vLLM venv's python)::
+
+    WT_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/vllm_push_vs_reload.py \\
+        --out benchmarks/results/vllm_push_vs_reload.json --md benchmarks/results/vllm_push_vs_reload.md
+
+For each model size (``toy``: the toy task's 2-layer Llama; ``llama-74M``: a
+Llama built offline from a ``LlamaConfig``, hidden 512, 12 layers, vocab
+32000, 74M parameters) it starts a vLLM server (fp32, our ``torch_dist``
+plugin) on a checkpoint the trainer also loads. Then, for one warm-up round
+and ``--rounds`` timed rounds, it changes the trainer's weights before each
+sync and syncs them into the server by:
+
+* **push**, once per ``--push-configs`` entry (default: the shipped defaults,
+  packed 256 MiB chunks, and ``packed=False``): ``trainer_init`` (timed
+  apart), then the timed ``engine.send_weights()`` (start, update over a gloo
+  broadcast, finish, all through vLLM's RL routes). The server call times of
+  start / update / finish are recorded too.
+* **reload**, what a user of vLLM 0.32 would do otherwise: ``save_pretrained``
+  (safetensors) into a directory, then ``POST /collective_rpc {"method":
+  "reload_weights", "kwargs": {"weights_path": DIR}}``. Timed as save + RPC.
+
+Neither pauses generation (the server is idle). The reload reads a file this
+machine just wrote, so it comes from the page cache: across machines it would
+also need a shared filesystem. After the last round of each path the server's
+greedy logprobs are compared with the trainer model's (transformers), so each
+path is known to deliver the weights. The average CPU cores used by other
+processes during the rounds is reported: on a shared machine timings are
+comparable only when it is near 0.
+
+Output: JSON (``--out``) and a markdown table (stdout, and ``--md``). The ratio
+is median reload seconds / median push seconds (> 1: the push is faster).
+Needs ``WT_VLLM_PYTHON`` (exit status 2 without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.transfer_throughput import CpuLoadMeter  # noqa: E402 - needs the repository root on sys.path
+from tests.support.vllm_server import (  # noqa: E402
+    VLLM_PYTHON_ENV,
+    VLLMServer,
+    find_vllm_python,
+    load_toy_task,
+    start_vllm_server,
+)
+from wt_callbacks.transfer import (  # noqa: E402
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+)
+
+SIZES = ("toy", "llama-74M")
+PROMPT_WORDS = "a b c d |"
+MAX_TOKENS = 4
+DEFAULT_PUSH_CONFIGS: dict[str, dict[str, Any]] = {"default": {}, "unpacked": {"packed": False}}
+"""The shipped defaults (packed, 256 MiB chunks) and one collective per tensor."""
+
+
+def build_model_dir(size: str, directory: Path) -> Path:
+    """Write a model vLLM can serve; every size uses the toy tokenizer (offline)."""
+    toy = load_toy_task()
+    if size == "toy":
+        return toy.save_pretrained(directory)
+    if size != "llama-74M":
+        raise ValueError(f"--sizes: unknown size {size!r}; choose from {SIZES}")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = toy.build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@torch.no_grad()
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    """New weights each round, deterministically, so no sync is a no-op."""
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=generator) * 0.01)
+
+
+@torch.no_grad()
+def max_logprob_diff(server: VLLMServer, model: torch.nn.Module, prompt: list[int]) -> float:
+    """Greedy completion logprobs of the server vs the trainer model."""
+    answer = requests.post(
+        f"{server.url}/v1/completions",
+        json={
+            "model": server.served_model,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": 1,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+        },
+        timeout=120,
+    )
+    answer.raise_for_status()
+    logprobs = answer.json()["choices"][0]["logprobs"]
+    tokens = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+    reference = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].float(), dim=-1)
+    return max(
+        abs(served - reference[len(prompt) - 1 + i, t].item())
+        for i, (t, served) in enumerate(zip(tokens, logprobs["token_logprobs"]))
+    )
+
+
+class TimingClient(HTTPVLLMWeightSyncClient):
+    """Records how long each server call of a push takes (the last round's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: dict[str, float] = {}
+
+    def start_weight_update(self) -> None:
+        self.calls["start_weight_update"] = timed(super().start_weight_update)
+
+    def update_weights(self, update_info: Any) -> None:
+        self.calls["update_weights"] = timed(lambda: super(TimingClient, self).update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls["finish_weight_update"] = timed(
+            lambda: super(TimingClient, self).finish_weight_update(weight_version)
+        )
+
+
+def server_pids(server: VLLMServer) -> list[int]:
+    """The server's processes (launcher, engine core, worker): its process group."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == server.proc.pid:
+                pids.append(int(entry.name))
+    return pids
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def summary(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "all": values}
+
+
+def bench_size(
+    size: str, python: Path, workdir: Path, rounds: int, timeout_s: float, push_configs: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """One server; per round: each push config (its own engine), then a reload."""
+    from transformers import LlamaForCausalLM
+
+    model_dir = build_model_dir(size, workdir / size / "model")
+    reload_dir = workdir / size / "reload"
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = load_toy_task().build_tokenizer()(PROMPT_WORDS)["input_ids"]
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[{size}] {n_params / 1e6:.1f}M parameters; starting vLLM ...", flush=True)
+    server = start_vllm_server(python, model_dir, workdir / size / "vllm.log", timeout_s=timeout_s)
+    print(f"[{size}] server log: {server.log_path}", flush=True)
+    session = requests.Session()
+    client = TimingClient(server.url, timeout=timeout_s)
+
+    def push(config: dict[str, Any], version: str) -> tuple[float, float, dict[str, float]]:
+        """trainer_init (timed apart), then one timed send_weights. A fresh
+        engine per round: the server holds one group, for one config at a time."""
+        start = time.perf_counter()
+        engine = WeightTransferTrainerFactory.trainer_init(
+            "torch_dist",
+            {"timeout_s": timeout_s, **config},
+            {"master_address": "127.0.0.1", "master_port": 0, "rank": 0},
+            client=client,
+            source=ModuleSource(model),
+        )
+        init_s = time.perf_counter() - start
+        try:
+            return init_s, timed(lambda: engine.send_weights(version)), dict(client.calls)
+        finally:
+            engine.shutdown()
+
+    def reload() -> tuple[float, float]:
+        save_s = timed(lambda: model.save_pretrained(reload_dir))
+        answer: list[requests.Response] = []
+        rpc_s = timed(
+            lambda: answer.append(
+                session.post(
+                    f"{server.url}/collective_rpc",
+                    json={"method": "reload_weights", "kwargs": {"weights_path": str(reload_dir)}},
+                    timeout=timeout_s,
+                )
+            )
+        )
+        answer[0].raise_for_status()
+        return save_s, rpc_s
+
+    pushes: dict[str, dict[str, list[Any]]] = {name: {"init": [], "send": [], "calls": []} for name in push_configs}
+    save_s: list[float] = []
+    rpc_s: list[float] = []
+    diffs: dict[str, float] = {}
+    seed = 0
+    try:
+        with CpuLoadMeter(*server_pids(server)) as load:
+            for r in range(rounds + 1):  # round 0 warms every path up
+                line = [f"[{size}] round {r}{'' if r else ' (warm-up)'}:"]
+                for name, config in push_configs.items():
+                    seed += 1
+                    perturb(model, seed)
+                    init, send, calls = push(config, f"{name}-{r}")
+                    if r == rounds:
+                        diffs[name] = max_logprob_diff(server, model, prompt)
+                    if r:
+                        pushes[name]["init"].append(init)
+                        pushes[name]["send"].append(send)
+                        pushes[name]["calls"].append(calls)
+                    line.append(f"push[{name}] {send:.3f} s;")
+                seed += 1
+                perturb(model, seed)
+                t_save, t_rpc = reload()
+                if r == rounds:
+                    diffs["reload"] = max_logprob_diff(server, model, prompt)
+                if r:
+                    save_s.append(t_save)
+                    rpc_s.append(t_rpc)
+                line.append(f"reload {t_save + t_rpc:.3f} s (save {t_save:.3f} + rpc {t_rpc:.3f})")
+                print(" ".join(line), flush=True)
+    finally:
+        client.close()
+        session.close()
+        server.stop()
+    reload_s = [a + b for a, b in zip(save_s, rpc_s)]
+    return {
+        "size": size,
+        "params": n_params,
+        "fp32_bytes": n_params * 4,
+        "tensors": len(list(model.parameters())),
+        "pushes": {
+            name: {
+                "config": push_configs[name],
+                "send_s": summary(p["send"]),
+                "trainer_init_s": statistics.median(p["init"]),
+                "call_s": {k: statistics.median(c[k] for c in p["calls"]) for k in p["calls"][0]},
+                "ratio_reload_over_push": statistics.median(reload_s) / statistics.median(p["send"]),
+                "max_logprob_diff": diffs[name],
+            }
+            for name, p in pushes.items()
+        },
+        "reload": {
+            "total_s": summary(reload_s),
+            "save_s": summary(save_s),
+            "rpc_s": summary(rpc_s),
+            "max_logprob_diff": diffs["reload"],
+        },
+        "other_cpu_cores": load.other_cores,
+    }
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | params | push config | push s (median / min) | push: start + update + finish s "
+        "| reload s (median / min) | reload: save + rpc s | reload / push "
+        "| logprob diff push / reload | other load (cores) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        reload = r["reload"]
+        for name, p in r["pushes"].items():
+            calls = p["call_s"]
+            lines.append(
+                f"| {r['size']} | {r['params'] / 1e6:.1f}M | {name} "
+                f"| {p['send_s']['median']:.3f} / {p['send_s']['min']:.3f} "
+                f"| {calls['start_weight_update']:.3f} + {calls['update_weights']:.3f} "
+                f"+ {calls['finish_weight_update']:.3f} "
+                f"| {reload['total_s']['median']:.3f} / {reload['total_s']['min']:.3f} "
+                f"| {reload['save_s']['median']:.3f} + {reload['rpc_s']['median']:.3f} "
+                f"| {p['ratio_reload_over_push']:.2f}x "
+                f"| {p['max_logprob_diff']:.1g} / {reload['max_logprob_diff']:.1g} "
+                f"| {r['other_cpu_cores']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {SIZES}")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per size (after 1 warm-up)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="bound in seconds on startup and each call")
+    parser.add_argument(
+        "--push-configs",
+        type=json.loads,
+        default=DEFAULT_PUSH_CONFIGS,
+        help="JSON object: label -> torch_dist trainer config, each timed as its own push "
+        f"(default: {json.dumps(DEFAULT_PUSH_CONFIGS)})",
+    )
+    parser.add_argument("--out", type=Path, help="JSON output path")
+    parser.add_argument("--md", type=Path, help="markdown output path")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    python, reason = find_vllm_python()
+    if python is None:
+        print(reason, file=sys.stderr)
+        return 2
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    with tempfile.TemporaryDirectory(prefix="wt-vllm-bench-") as tmp:
+        results = [
+            bench_size(size, python, Path(tmp), args.rounds, args.timeout, args.push_configs) for size in sizes
+        ]
+    report = {
+        "benchmark": "vllm_push_vs_reload",
+        "vllm_python": str(python),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "rounds": args.rounds,
+        "timeout_s": args.timeout,
+        "results": results,
+    }
+    table = markdown(results)
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.md:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        args.md.write_text(
+            f"Seconds per weight sync into vLLM (fp32, {args.rounds} rounds after a warm-up; "
+            f"{os.cpu_count()} CPUs). See `benchmarks/vllm_push_vs_reload.py`.\n\n{table}\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

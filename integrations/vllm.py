@@ -1,0 +1,158 @@
+"""vLLM plugin: makes ``--weight-transfer-config '{"backend": "torch_dist"}'`` work.
+
+vLLM 0.32 has no CPU-capable weight-transfer backend (its ``nccl`` needs CUDA),
+and it builds the worker engine by name from its own
+``WeightTransferEngineFactory`` when the model is loaded. Installing
+wt-callbacks into the server's environment declares the entry point::
+
+    [project.entry-points."vllm.general_plugins"]
+    wt_callbacks = "wt_callbacks.integrations.vllm:register"
+
+and vLLM calls ``register()`` in every process it starts (API server, engine
+core, each worker) before any engine is built. ``register()`` adds our
+``torch_dist`` worker engine to vLLM's factory by module path, so only the
+worker that actually creates the engine imports it.
+
+Nothing here is imported by the trainer: the trainer side is
+``wt_callbacks.transfer`` and needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from wt_callbacks.transfer.backends.torch_dist import (
+        TorchDistWeightTransferEngine,
+        TorchDistWeightTransferUpdateInfo,
+    )
+
+BACKEND = "torch_dist"
+ENGINE_CLASS_NAME = "VLLMTorchDistWeightTransferEngine"
+
+
+def register() -> None:
+    """Register the ``torch_dist`` worker engine with vLLM (entry point target).
+
+    Idempotent: vLLM runs general plugins once per process, but a process may
+    also call this by hand, and vLLM's factory raises on a duplicate name.
+    Cheap: it imports vLLM's factory only; the engine class is resolved
+    lazily by the worker that builds it.
+    """
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, ENGINE_CLASS_NAME)
+
+
+def __getattr__(name: str) -> Any:
+    """Resolve the engine class on first access (PEP 562).
+
+    vLLM's lazy loader does ``getattr(import_module(__name__), class_name)``;
+    deferring the class keeps importing this module (which every vLLM
+    process does, for ``register``) free of torch.distributed and our backend.
+    """
+    if name == ENGINE_CLASS_NAME:
+        return _engine_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _engine_class() -> type[TorchDistWeightTransferEngine]:
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    from wt_callbacks.transfer.backends.torch_dist import TorchDistWeightTransferEngine
+
+    class VLLMTorchDistWeightTransferEngine(TorchDistWeightTransferEngine):
+        """``TorchDistWeightTransferEngine`` inside a vLLM worker.
+
+        Adds what vLLM's own ``nccl`` engine does around the transfer:
+        layerwise reload, so checkpoint-format tensors go through the model's
+        ``load_weights`` (fused qkv/gate_up, TP sharding) and its
+        post-load processing (CPU kernels repack Linear weights). Receiving
+        and loading are the base engine's.
+
+        A failed round puts the old tensors back into every layer it had not
+        completed, so the server keeps generating instead of running on the
+        meta tensors layerwise reload leaves behind (vLLM itself does not
+        finalize after a failed ``update_weights``). Layers completed before
+        the failure already hold the new weights: push again.
+        """
+
+        def start_weight_update(self) -> None:
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+            model = self.model
+            tracker = _LoadTracker(model)
+            # The base engine loads through ``self.model.load_weights``; the
+            # tracker lets an error name the tensor vLLM's loader refused
+            # (its shape asserts do not).
+            self.model = tracker
+            try:
+                with disable_mtp_completeness_check():
+                    super().receive_weights(update_info)
+            except Exception as e:
+                self.model = model
+                self._abandon_reload()
+                if tracker.last is None:
+                    raise
+                name, dtype, shape = tracker.last
+                reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                raise RuntimeError(
+                    f"the served model rejected {name!r} ({dtype}, shape {shape}) from the trainer "
+                    f"({reason}). The trainer's parameter names and shapes must be those of the "
+                    f"checkpoint this server loaded ({self.model_config.model})"
+                ) from e
+            finally:
+                self.model = model
+
+        def _abandon_reload(self) -> None:
+            """Undo layerwise reload for the layers this round did not complete."""
+            for layer in self.model.modules():
+                info = get_layerwise_info(layer)
+                if info.can_load():
+                    info.loaded_weights.clear()
+                    info.load_numel = 0
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    VLLMTorchDistWeightTransferEngine.__module__ = __name__
+    VLLMTorchDistWeightTransferEngine.__qualname__ = ENGINE_CLASS_NAME
+    return VLLMTorchDistWeightTransferEngine
+
+
+class _LoadTracker:
+    """Stands in for the model during one receive: forwards ``load_weights``
+    and remembers the ``(name, dtype, shape)`` the loader is working on."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.last: tuple[str, str, list[int]] | None = None
+
+    def load_weights(self, weights: Any) -> Any:
+        """``last`` is None while a tensor is being received, so a transfer
+        error (trainer gone) is not blamed on the tensor loaded before it."""
+        items = iter(weights)
+
+        def tracked() -> Any:
+            while True:
+                self.last = None
+                try:
+                    name, tensor = next(items)
+                except StopIteration:
+                    return
+                self.last = (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
+                yield name, tensor
+
+        result = self.model.load_weights(tracked())
+        self.last = None
+        return result

