@@ -131,7 +131,7 @@ def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
         ({"train_time_interval": "10m"}, r"train_time_interval='10m' must be a positive number of seconds"),
         ({"timeout_s": -5}, r"timeout_s=-5 must be a positive number of seconds"),
         ({"every_n_train_steps": "10"}, r"key 'every_n_train_steps' must be of type int \| None, got str"),
-        ({"backend": "torch_dst"}, r"backend='torch_dst' is not one of \('torch_dist',\); did you mean 'torch_dist'\?"),
+        ({"backend": "torch_dst"}, r"backend='torch_dst' is not one of \('ipc', 'nccl', 'torch_dist'\); did you mean 'torch_dist'\?"),
         ({"servers": []}, r"no servers to sync to: set servers: \[http://host:port, \.\.\.\] .* or ray_actors"),
         ({"ray_actors": ["vllm"]}, r"servers and ray_actors are mutually exclusive"),
         ({"servers": [URL, ""]}, r"servers must be a list of non-empty strings, got entries \[''\]"),

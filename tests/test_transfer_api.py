@@ -48,7 +48,7 @@ LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
 
 
 def test_unknown_backend_lists_the_available_ones():
-    with pytest.raises(ValueError, match=r"Invalid weight transfer backend: 'nccll'.*\['torch_dist'"):
+    with pytest.raises(ValueError, match=r"Invalid weight transfer backend: 'nccll'. Available trainer engines: \['ipc', 'nccl', 'torch_dist'\]"):
         WeightTransferTrainerFactory.trainer_init("nccll", {}, LOCAL, client=None, source=None)
     with pytest.raises(ValueError, match=r"Available engines: \['torch_dist'"):
         WeightTransferEngineFactory.create_engine(WeightTransferConfig("nope"), _host_config(), torch.device("cpu"), None)
@@ -70,12 +70,16 @@ def test_lazy_registration_needs_a_class_name_and_imports_on_use():
     WeightTransferTrainerFactory.register_engine(
         "lazy-test", "wt_callbacks.transfer.backends.torch_dist", "TorchDistTrainerWeightTransferEngine"
     )
-    assert WeightTransferTrainerFactory.engine_class("lazy-test") is TorchDistTrainerWeightTransferEngineAlias
     WeightTransferEngineFactory.register_engine("direct-test", TorchDistWeightTransferEngine)
-    engine = WeightTransferEngineFactory.create_engine(
-        WeightTransferConfig("direct-test"), _host_config(), torch.device("cpu"), torch.nn.Linear(2, 2)
-    )
-    assert isinstance(engine, TorchDistWeightTransferEngine)
+    try:
+        assert WeightTransferTrainerFactory.engine_class("lazy-test") is TorchDistTrainerWeightTransferEngineAlias
+        engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig("direct-test"), _host_config(), torch.device("cpu"), torch.nn.Linear(2, 2)
+        )
+        assert isinstance(engine, TorchDistWeightTransferEngine)
+    finally:  # the registries are process-wide: leave them as other tests expect
+        WeightTransferTrainerFactory._registry.loaders.pop("lazy-test")
+        WeightTransferEngineFactory._registry.loaders.pop("direct-test")
 
 
 # --------------------------------------------------------------------------- #

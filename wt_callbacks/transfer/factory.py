@@ -152,3 +152,10 @@ WeightTransferEngineFactory.register_engine(
 WeightTransferTrainerFactory.register_engine(
     "torch_dist", "wt_callbacks.transfer.backends.torch_dist", "TorchDistTrainerWeightTransferEngine"
 )
+# Stock vLLM's own wire (CUDA; needs vllm importable in the trainer).
+WeightTransferTrainerFactory.register_engine(
+    "nccl", "wt_callbacks.transfer.backends.vllm_native", "NCCLTrainerWeightTransferEngine"
+)
+WeightTransferTrainerFactory.register_engine(
+    "ipc", "wt_callbacks.transfer.backends.vllm_native", "IPCTrainerWeightTransferEngine"
+)

@@ -1,0 +1,97 @@
+"""Trainer backends ``nccl`` / ``ipc``: stock vLLM's own wire, through vLLM's own code.
+
+vLLM's NCCL and IPC engines need CUDA, which these machines do not have, so
+the success path runs against a fake ``vllm`` package (tests/support/fake_vllm)
+that records what our adapters hand over and drives the client as vLLM's
+engines do. The failure path (no vllm in the trainer) is real.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from tests.support import models
+from tests.support.procs import REPO_ROOT
+from wt_callbacks.transfer import ModuleSource, WeightTransferTrainerFactory
+
+LOCAL = {"master_address": "127.0.0.1", "master_port": 29777, "rank": 0}
+
+
+class RecordingClient:
+    def __init__(self, world_size: int = 2):
+        self.calls: list = []
+        self.world_size = world_size
+
+    def init_weight_transfer_engine(self, init_info):
+        self.calls.append(("init", init_info))
+
+    def start_weight_update(self):
+        self.calls.append(("start",))
+
+    def update_weights(self, update_info):
+        self.calls.append(("update", update_info))
+
+    def finish_weight_update(self, weight_version=None):
+        self.calls.append(("finish", weight_version))
+
+    def update_weight_version(self, version):
+        self.calls.append(("version", version))
+
+    def get_world_size(self):
+        return self.world_size
+
+
+def test_without_vllm_in_the_trainer_the_error_names_the_fix():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed in this environment")
+    for backend in ("nccl", "ipc"):
+        with pytest.raises(ValueError, match=rf"backend '{backend}' drives vLLM's own transport and needs vllm .*'torch_dist'"):
+            WeightTransferTrainerFactory.trainer_init(
+                backend, {}, LOCAL if backend == "nccl" else {"rank": 0},
+                client=RecordingClient(), source=ModuleSource(models.tiny_mlp(seed=0)),
+            )  # fmt: skip
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "tests/support/fake_vllm"))
+    yield importlib.import_module("vllm.distributed.weight_transfer.nccl_engine")
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        del sys.modules[name]
+
+
+def test_nccl_adapter_translates_config_world_size_dtype_and_version(fake_vllm):
+    client = RecordingClient(world_size=4)
+    model = models.tiny_mlp(seed=0)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        "nccl", {"packed_buffer_size_bytes": 1 << 20, "dtype": "bfloat16"}, LOCAL, client=client, source=ModuleSource(model)
+    )
+    inner = engine.inner
+    # world_size was asked from the servers: 1 trainer + 4 workers.
+    assert (inner.init_info.world_size, inner.init_info.rank, inner.init_info.packed_buffer_size_bytes) == (5, 0, 1 << 20)
+    assert inner.init_info.master_address == "127.0.0.1" and inner.init_info.master_port == 29777
+    assert [m.dtype for m in inner.source.metadata()] == [torch.bfloat16] * 6
+    engine.send_weights("step-7")
+    assert {dtype for _, dtype in inner.sent} == {torch.bfloat16}  # cast before leaving our source
+    assert [c[0] for c in client.calls] == ["init", "start", "update", "finish", "version"]
+    assert client.calls[-1] == ("version", "step-7")
+    assert engine.last_stats.bytes == sum(p.numel() * 2 for p in model.parameters())
+    engine.shutdown()
+    assert inner.shut_down
+
+
+def test_ipc_adapter_and_non_sender_ranks(fake_vllm):
+    client = RecordingClient()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        "ipc", {"packed": True}, {"rank": 1}, client=client, source=ModuleSource(models.tiny_mlp(seed=0))
+    )
+    assert engine.inner.init_info.packed and engine.inner.init_info.rank == 1
+    engine.send_weights("v1")
+    assert client.calls == []  # a non-sender rank never talks to the servers
+    assert len(engine.inner.sent) == 6  # but it iterated the source (FSDP gathers)
+    with pytest.raises(ValueError, match="unknown key 'master_address'"):
+        WeightTransferTrainerFactory.trainer_init("ipc", {}, LOCAL, client=client, source=ModuleSource(torch.nn.Linear(1, 1)))

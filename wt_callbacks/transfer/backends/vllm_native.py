@@ -1,0 +1,210 @@
+"""Backends ``nccl`` and ``ipc``: stock vLLM's own wire, for GPU trainers.
+
+A server running stock vLLM (no plugin) speaks only its built-in backends.
+These trainer engines drive them by calling vLLM's own trainer-side code
+(``NCCLTrainerWeightTransferEngine``, ``IPCTrainerWeightTransferEngine``), so
+the bytes on the wire are exactly vLLM's. That needs ``vllm`` importable in
+the trainer (and CUDA); without it, ``trainer_init`` fails with the fix
+instead of at the first sync. Where vLLM cannot be installed next to the
+trainer, use ``torch_dist`` with the wt-callbacks plugin in the server.
+
+What these adapters add to vLLM's engines: dict configs (YAML), the world
+size asked from the client, the wire-dtype cast before the FSDP gather (our
+``WeightSource.with_wire_dtype``), and the round's weight version.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from wt_callbacks.transfer.base import (
+    ParamMeta,
+    TrainerWeightTransferEngine,
+    TransferStats,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferConfig,
+    WeightTransferInitInfo,
+    dtype_from_name,
+)
+
+VLLM_DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3
+VLLM_DEFAULT_PACKED_NUM_BUFFERS = 2
+
+
+@dataclass
+class VLLMNativeTrainerConfig(WeightTransferConfig):
+    """Settings of the ``nccl`` / ``ipc`` trainer engines (vLLM's own defaults)."""
+
+    backend: str = "nccl"
+    packed: bool = True
+    packed_buffer_size_bytes: int = VLLM_DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = VLLM_DEFAULT_PACKED_NUM_BUFFERS
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("nccl", "ipc"):
+            raise ValueError(f"backend must be 'nccl' or 'ipc' for this config, got {self.backend!r}")
+        for key in ("packed_buffer_size_bytes", "packed_num_buffers"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.dtype is not None and not dtype_from_name(self.dtype).is_floating_point:
+            raise ValueError(f"dtype={self.dtype!r}: the wire dtype must be a floating-point dtype")
+
+
+@dataclass
+class NCCLTrainerInitInfo(WeightTransferInitInfo):
+    """Rendezvous of ``nccl``: as vLLM's, with ``world_size`` optional
+    (1 + the servers' world size, asked from the client)."""
+
+    master_address: str
+    master_port: int
+    rank: int
+    world_size: int | None = None
+
+
+@dataclass
+class IPCTrainerInitInfo(WeightTransferInitInfo):
+    """``ipc`` needs no rendezvous: the trainer and the server share the GPUs."""
+
+    rank: int
+
+
+def _import_vllm(backend: str, module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(
+            f"backend {backend!r} drives vLLM's own transport and needs vllm importable in the "
+            f"trainer ({e}). Install the vllm version your servers run into the training "
+            "environment, or use backend 'torch_dist' with wt-callbacks installed in the server"
+        ) from e
+
+
+def _as_vllm_source(source: WeightSource, vllm_base: type) -> Any:
+    """Our source seen as vLLM's ``WeightSource`` (vLLM's engines subclass-check nothing,
+    but its ABC carries defaults such as ``held_names``)."""
+
+    class Adapted(vllm_base):  # type: ignore[misc, valid-type]
+        def metadata(self) -> list[Any]:
+            return [_vllm_meta(m) for m in source.metadata()]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return iter(source)
+
+    return Adapted()
+
+
+def _vllm_meta(meta: ParamMeta) -> Any:
+    from vllm.distributed.weight_transfer.base import ParamMeta as VLLMParamMeta
+
+    return VLLMParamMeta(meta.name, meta.dtype, meta.shape)
+
+
+class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConfig, Any]):
+    """Wraps one of vLLM's trainer engines; see the module docstring."""
+
+    config_cls = VLLMNativeTrainerConfig
+    backend: ClassVar[str]
+    vllm_module: ClassVar[str]
+    vllm_engine: ClassVar[str]
+    vllm_init_info: ClassVar[str]
+
+    def __init__(self, config: VLLMNativeTrainerConfig, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool, inner: Any) -> None:
+        super().__init__(config, client=client, source=source, is_sender=is_sender)
+        self.inner = inner
+
+    @classmethod
+    def trainer_init(
+        cls,
+        config: VLLMNativeTrainerConfig | Mapping[str, Any],
+        init_info: Any,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+    ) -> _VLLMNativeTrainerEngine:
+        config = cls.parse_config({"backend": cls.backend, **config} if isinstance(config, Mapping) else config)
+        init_info = cls.parse_init_info(init_info)
+        module = _import_vllm(cls.backend, cls.vllm_module)
+        base = _import_vllm(cls.backend, "vllm.distributed.weight_transfer.base")
+        if not isinstance(source, WeightSource):
+            raise ValueError(f"source must be a WeightSource (e.g. ModuleSource(model)), got {type(source).__name__}")
+        wire_source = source.with_wire_dtype(None if config.dtype is None else dtype_from_name(config.dtype))
+        vllm_info = getattr(module, cls.vllm_init_info)(**cls._vllm_init_kwargs(config, init_info, client))
+        inner = getattr(module, cls.vllm_engine).trainer_init(
+            vllm_info, client=client, source=_as_vllm_source(wire_source, base.WeightSource)
+        )
+        return cls(config, client=client, source=wire_source, is_sender=init_info.rank == 0, inner=inner)
+
+    @classmethod
+    def _vllm_init_kwargs(cls, config: VLLMNativeTrainerConfig, init_info: Any, client: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        start = time.perf_counter()
+        self.inner.send_weights()
+        # vLLM's engines finish without a version; tag it afterwards.
+        update_version = getattr(self.client, "update_weight_version", None)
+        if self.is_sender and weight_version is not None and callable(update_version):
+            update_version(weight_version)
+        metas = self.source.metadata()
+        self.last_stats = TransferStats(
+            bytes=sum(m.nbytes for m in metas) if self.is_sender else 0,
+            tensors=len(metas),
+            seconds=time.perf_counter() - start,
+        )
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+class NCCLTrainerWeightTransferEngine(_VLLMNativeTrainerEngine):
+    """``nccl``: vLLM's dense NCCL broadcast (CUDA)."""
+
+    init_info_cls = NCCLTrainerInitInfo
+    backend = "nccl"
+    vllm_module = "vllm.distributed.weight_transfer.nccl_engine"
+    vllm_engine = "NCCLTrainerWeightTransferEngine"
+    vllm_init_info = "NCCLTrainerInitInfo"
+
+    @classmethod
+    def _vllm_init_kwargs(cls, config: VLLMNativeTrainerConfig, init_info: NCCLTrainerInitInfo, client: Any) -> dict[str, Any]:
+        world_size = init_info.world_size
+        if world_size is None and init_info.rank == 0:
+            get_world_size = getattr(client, "get_world_size", None)
+            if not callable(get_world_size):
+                raise ValueError("init_info: world_size is missing and the client cannot report the servers' world size")
+            world_size = 1 + int(get_world_size())
+        return {
+            "master_address": init_info.master_address,
+            "master_port": init_info.master_port,
+            "world_size": world_size or 0,  # unused on non-sender ranks
+            "packed": config.packed,
+            "packed_buffer_size_bytes": config.packed_buffer_size_bytes,
+            "packed_num_buffers": config.packed_num_buffers,
+            "rank": init_info.rank,
+        }
+
+
+class IPCTrainerWeightTransferEngine(_VLLMNativeTrainerEngine):
+    """``ipc``: CUDA IPC handles to a server on the same GPUs (CUDA)."""
+
+    init_info_cls = IPCTrainerInitInfo
+    backend = "ipc"
+    vllm_module = "vllm.distributed.weight_transfer.ipc_engine"
+    vllm_engine = "IPCTrainerWeightTransferEngine"
+    vllm_init_info = "IPCTrainerInitInfo"
+
+    @classmethod
+    def _vllm_init_kwargs(cls, config: VLLMNativeTrainerConfig, init_info: IPCTrainerInitInfo, client: Any) -> dict[str, Any]:
+        return {
+            "packed": config.packed,
+            "packed_buffer_size_bytes": config.packed_buffer_size_bytes,
+            "rank": init_info.rank,
+        }
