@@ -57,10 +57,10 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.transfer_throughput import CpuLoadMeter  # noqa: E402 - needs the repository root on sys.path
 from tests.support.vllm_server import (  # noqa: E402
-    VLLM_PYTHON_ENV,
     VLLMServer,
     find_vllm_python,
     load_toy_task,
+    max_logprob_diff,
     start_vllm_server,
 )
 from wt_callbacks.transfer import (  # noqa: E402
@@ -71,9 +71,8 @@ from wt_callbacks.transfer import (  # noqa: E402
 
 SIZES = ("toy", "llama-74M")
 PROMPT_WORDS = "a b c d |"
-MAX_TOKENS = 4
 DEFAULT_PUSH_CONFIGS: dict[str, dict[str, Any]] = {"default": {}, "unpacked": {"packed": False}}
-"""The shipped defaults (packed, 256 MiB chunks) and one collective per tensor."""
+"""The shipped defaults (packed, 64 MiB chunks) and one collective per tensor."""
 
 
 def build_model_dir(size: str, directory: Path) -> Path:
@@ -112,32 +111,6 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.add_(torch.randn(p.shape, generator=generator) * 0.01)
-
-
-@torch.no_grad()
-def max_logprob_diff(server: VLLMServer, model: torch.nn.Module, prompt: list[int]) -> float:
-    """Greedy completion logprobs of the server vs the trainer model."""
-    answer = requests.post(
-        f"{server.url}/v1/completions",
-        json={
-            "model": server.served_model,
-            "prompt": prompt,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "logprobs": 1,
-            "ignore_eos": True,
-            "return_tokens_as_token_ids": True,
-        },
-        timeout=120,
-    )
-    answer.raise_for_status()
-    logprobs = answer.json()["choices"][0]["logprobs"]
-    tokens = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
-    reference = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].float(), dim=-1)
-    return max(
-        abs(served - reference[len(prompt) - 1 + i, t].item())
-        for i, (t, served) in enumerate(zip(tokens, logprobs["token_logprobs"]))
-    )
 
 
 class TimingClient(HTTPVLLMWeightSyncClient):
@@ -246,7 +219,7 @@ def bench_size(
                     perturb(model, seed)
                     init, send, calls = push(config, f"{name}-{r}")
                     if r == rounds:
-                        diffs[name] = max_logprob_diff(server, model, prompt)
+                        diffs[name] = max_logprob_diff(server, model, [prompt])
                     if r:
                         pushes[name]["init"].append(init)
                         pushes[name]["send"].append(send)
@@ -256,7 +229,7 @@ def bench_size(
                 perturb(model, seed)
                 t_save, t_rpc = reload()
                 if r == rounds:
-                    diffs["reload"] = max_logprob_diff(server, model, prompt)
+                    diffs["reload"] = max_logprob_diff(server, model, [prompt])
                 if r:
                     save_s.append(t_save)
                     rpc_s.append(t_rpc)

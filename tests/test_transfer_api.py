@@ -18,7 +18,6 @@ from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
     ParamMeta,
-    TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
     WeightSyncHTTPError,

@@ -35,7 +35,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 
 from tests.support.vllm_server import (
@@ -43,8 +42,11 @@ from tests.support.vllm_server import (
     VLLMServer,
     VLLMStartError,
     build_toy_model_dir,
+    completion,
     find_vllm_python,
     load_toy_task,
+    max_logprob_diff,
+    reference_logprobs,
     start_vllm_server,
     startup_failure_log,
 )
@@ -66,7 +68,6 @@ FP32_ATOL = 1e-4
 BF16_SERVER_ATOL = 0.02
 """bf16 activations in vLLM vs an fp32 reference of the same bf16 weights
 (measured: ~5e-3 after the push, ~1.0 before it)."""
-MAX_TOKENS = 4
 ROUND_TIMEOUT_S = 60.0
 STARTUP_FAILURE_TIMEOUT_S = 180.0
 
@@ -147,45 +148,6 @@ def train(model: torch.nn.Module, tokenizer, *, steps: int, seed: int) -> None:
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
-
-
-def completion(server: VLLMServer, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """vLLM's greedy continuation of ``prompt``: token ids and their logprobs."""
-    answer = requests.post(
-        f"{server.url}/v1/completions",
-        json={
-            "model": server.served_model,
-            "prompt": prompt,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "logprobs": 1,
-            "ignore_eos": True,
-            "return_tokens_as_token_ids": True,
-        },
-        timeout=60,
-    )
-    assert answer.status_code == 200, answer.text
-    logprobs = answer.json()["choices"][0]["logprobs"]
-    tokens = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
-    return tokens, [float(x) for x in logprobs["token_logprobs"]]
-
-
-@torch.no_grad()
-def reference_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
-    """The trainer model's logprobs of ``tokens`` after ``prompt`` (teacher forcing)."""
-    logits = model(torch.tensor([prompt + tokens])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
-
-
-def max_logprob_diff(server: VLLMServer, model: torch.nn.Module, prompts: list[list[int]]) -> float:
-    worst = 0.0
-    for prompt in prompts:
-        tokens, served = completion(server, prompt)
-        assert len(tokens) == MAX_TOKENS
-        expected = reference_logprobs(model, prompt, tokens)
-        worst = max(worst, max(abs(a - b) for a, b in zip(served, expected)))
-    return worst
 
 
 def bf16_rounded(model: torch.nn.Module) -> torch.nn.Module:

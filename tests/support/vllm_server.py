@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 import requests
+import torch
 
 from tests.support.procs import REPO_ROOT, free_port
 VLLM_PYTHON_ENV = "WT_VLLM_PYTHON"
@@ -195,3 +196,46 @@ def startup_failure_log(python: Path, model_dir: Path, log_path: Path, **kwargs:
         return e.log
     server.stop()
     raise AssertionError(f"the vLLM server started although it should have failed; log: {log_path}")
+
+
+MAX_TOKENS = 4
+"""Greedy tokens compared per prompt."""
+
+
+def completion(server: VLLMServer, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """vLLM's greedy continuation of ``prompt``: token ids and their logprobs."""
+    answer = requests.post(
+        f"{server.url}/v1/completions",
+        json={
+            "model": server.served_model,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": 1,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+        },
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    logprobs = answer.json()["choices"][0]["logprobs"]
+    tokens = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+    return tokens, [float(x) for x in logprobs["token_logprobs"]]
+
+
+@torch.no_grad()
+def reference_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The trainer model's logprobs of ``tokens`` after ``prompt`` (teacher forcing)."""
+    logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def max_logprob_diff(server: VLLMServer, model: torch.nn.Module, prompts: list[list[int]]) -> float:
+    worst = 0.0
+    for prompt in prompts:
+        tokens, served = completion(server, prompt)
+        assert len(tokens) == MAX_TOKENS
+        expected = reference_logprobs(model, prompt, tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(served, expected)))
+    return worst
