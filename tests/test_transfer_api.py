@@ -461,3 +461,29 @@ def test_static_trainer_send_weights_older_call_style(receiver, packed):
     assert module_checksums(receiver.model) == module_checksums(model)
     with pytest.raises(ValueError, match="trainer_args: missing required key 'group'"):
         TorchDistWeightTransferEngine.trainer_send_weights(iter([]), {})
+
+
+def test_zero_size_parameters_last_in_the_plan():
+    """A trailing zero-byte tensor forms a chunk of its own on the receiver's
+    plan; neither side may broadcast it, or the round waits for its timeout."""
+
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        module = torch.nn.Linear(8, 8)
+        module.empty = torch.nn.Parameter(torch.empty(0, 8))
+        return module
+
+    from wt_callbacks.checksums import module_checksums
+
+    trainer_model = build(0)
+    # 20-byte buffers: weight and bias each close a chunk, the empty tensor is alone.
+    assert plan_chunks([256, 32, 0], 20)[-1] == range(2, 3)
+    with Receiver(build(1)) as receiver:
+        client = HTTPVLLMWeightSyncClient(receiver.start(), timeout=10)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            "torch_dist", {"timeout_s": 10, "packed_buffer_size_bytes": 20}, LOCAL, client=client,
+            source=ModuleSource(trainer_model),
+        )  # fmt: skip
+        engine.send_weights("with-empty")
+        engine.shutdown()
+        assert module_checksums(receiver.model) == module_checksums(trainer_model)

@@ -44,6 +44,14 @@ def plan_chunks(nbytes: Sequence[int], buffer_size_bytes: int) -> list[range]:
     return chunks
 
 
+def slot_capacities(nbytes: Sequence[int], chunks: Sequence[range], num_buffers: int) -> list[int]:
+    """Bytes each rotating buffer needs: chunk i travels in buffer ``i % num_buffers``."""
+    capacities = [0] * num_buffers
+    for i, chunk in enumerate(chunks):
+        capacities[i % num_buffers] = max(capacities[i % num_buffers], sum(nbytes[j] for j in chunk))
+    return capacities
+
+
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """Flat uint8 view of a tensor (copying only if it is not contiguous)."""
     return tensor.contiguous().view(-1).view(torch.uint8)
@@ -56,7 +64,7 @@ def broadcast_packed(
     num_buffers: int,
     broadcast: Broadcast,
     wait: Wait,
-    capacity_hint: int | None = None,
+    capacity_hint: Sequence[int] | None = None,
     device: torch.device | str = "cpu",
     buffers: list[torch.Tensor] | None = None,
 ) -> int:
@@ -64,21 +72,21 @@ def broadcast_packed(
 
     Each tensor is copied into the current buffer as soon as it is yielded,
     so a gathered FSDP tensor is released before the next gather. Buffers
-    hold ``capacity_hint`` bytes (the largest planned chunk) and rotate; a
-    buffer is refilled only after its previous broadcast completed. Returns
-    the number of bytes sent.
+    rotate; a buffer is refilled only after its previous broadcast completed.
+    ``capacity_hint[k]`` sizes buffer k: the largest planned chunk it will
+    carry (``slot_capacities``). Returns the number of bytes sent.
 
     ``buffers``: a list the caller keeps between rounds; buffers found there
     are reused and new ones are stored in it. Fresh host memory costs a page
     fault per 4 KiB on first touch, which on a CPU dominated the round
     (0.17 s per 400 MiB), so reusing them is what makes repeated rounds fast.
 
-    Peak extra memory: ``num_buffers`` buffers of the largest chunk (at most
-    ``buffer_size_bytes`` + the largest tensor each) plus the tensor being copied.
+    Peak extra memory: the ``num_buffers`` buffers (each at most
+    ``buffer_size_bytes`` + the largest tensor) plus the tensor being copied.
     """
     if num_buffers < 1:
         raise ValueError(f"packed_num_buffers must be >= 1, got {num_buffers}")
-    capacity = max(capacity_hint or buffer_size_bytes, 1)
+    capacities = list(capacity_hint) if capacity_hint else [buffer_size_bytes] * num_buffers
     cache: list[torch.Tensor] = buffers if buffers is not None else []
     in_flight: list[Any] = [None] * num_buffers
     slot, fill, sent = 0, 0, 0
@@ -87,6 +95,7 @@ def broadcast_packed(
         if in_flight[slot] is not None:
             wait(in_flight[slot])
             in_flight[slot] = None
+        capacity = max(capacities[slot], 1)
         if slot >= len(cache):
             cache.append(torch.empty(capacity, dtype=torch.uint8, device=device))
         elif cache[slot].numel() < capacity or cache[slot].device != torch.device(device):
@@ -163,14 +172,16 @@ def receive_packed(
             if cache is not None:
                 del cache[next_chunk:]
                 cache.append(buf)
-        pending.append((chunk, buf, broadcast(buf)))
+        # The sender never sends an empty chunk (only zero-size tensors).
+        pending.append((chunk, buf, broadcast(buf) if size else None))
         next_chunk += 1
 
     while next_chunk < len(chunks) and len(pending) < max(num_buffers, 1):
         post()
     while pending:
         chunk, buf, work = pending.pop(0)
-        wait(work)
+        if work is not None:
+            wait(work)
         if next_chunk < len(chunks):
             post()
         offset = 0

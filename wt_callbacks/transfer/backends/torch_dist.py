@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ from wt_callbacks.transfer.base import (
     dtype_name,
     finish_with_version,
 )
-from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, receive_packed
+from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, receive_packed, slot_capacities
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +97,11 @@ class TorchDistTrainerConfig(WeightTransferConfig):
             server call); also sent to the workers.
         transport: ``"auto"`` (NCCL when the trainer has CUDA, else gloo),
             ``"gloo"`` or ``"nccl"``.
-        reuse_buffers: keep the packing buffers between rounds. Fresh host
-            memory is page-faulted on first touch, which costs more than the
-            copy into it; keeping them costs ``packed_num_buffers`` x the
-            largest chunk of memory while the trainer is not syncing.
+        reuse_buffers: keep the packing buffers between rounds (host memory
+            only; on a GPU the caching allocator reuses freed blocks anyway).
+            Fresh host memory is page-faulted on first touch, which costs more
+            than the copy into it; keeping them costs the ``packed_num_buffers``
+            buffers of memory while the trainer is not syncing.
     """
 
     backend: str = BACKEND
@@ -370,7 +372,7 @@ def _wait_work(work: Any, *, timeout_s: float, server_call: Future | None = None
         if server_call is not None:
             try:
                 server_error = server_call.exception(timeout=5)
-            except TimeoutError:
+            except FutureTimeout:
                 server_error = None
             if server_error is not None:
                 raise WeightTransferError(f"update_weights failed on the server: {server_error}") from e
@@ -601,9 +603,11 @@ class TorchDistTrainerWeightTransferEngine(
                 num_buffers=self.config.packed_num_buffers,
                 broadcast=group.broadcast,
                 wait=wait,
-                capacity_hint=max((sum(sizes[i] for i in c) for c in chunks), default=1),
+                capacity_hint=slot_capacities(sizes, chunks, self.config.packed_num_buffers),
                 device=group.device,
-                buffers=self._pack_buffers if self.config.reuse_buffers else None,
+                # On a GPU the caching allocator already reuses freed blocks;
+                # keeping them would pin memory the training step wants.
+                buffers=self._pack_buffers if self.config.reuse_buffers and group.device.type == "cpu" else None,
             )
         else:
             sent = 0
@@ -613,7 +617,7 @@ class TorchDistTrainerWeightTransferEngine(
                 sent += tensor.numel() * tensor.element_size()
         try:
             server_call.result(timeout=timeout_s)
-        except TimeoutError as e:
+        except FutureTimeout as e:
             raise WeightTransferError(
                 f"the servers did not confirm update_weights within timeout_s={timeout_s:g}"
             ) from e
