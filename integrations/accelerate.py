@@ -54,6 +54,14 @@ def _load_hparams(hparams: Any) -> Any:
 
 
 def _refuse_flat_shards(accelerator: Accelerator) -> None:
+    """FSDP1 and DeepSpeed ZeRO-3 expose flattened or empty shards as
+    parameters; sending them would fail on the server, or worse."""
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
+    if deepspeed is not None and getattr(deepspeed, "zero_stage", 0) == 3:
+        raise ValueError(
+            "WeightSyncHook does not support DeepSpeed ZeRO stage 3 (partitioned parameters); "
+            "use FSDP2 (fsdp_version: 2) or ZeRO stage 1/2"
+        )
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is not None and getattr(plugin, "fsdp_version", 1) == 1:
         raise ValueError(

@@ -20,6 +20,7 @@ Nothing here is imported by the trainer: the trainer side is
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
         TorchDistWeightTransferEngine,
         TorchDistWeightTransferUpdateInfo,
     )
+
+logger = logging.getLogger(__name__)
 
 BACKEND = "torch_dist"
 ENGINE_CLASS_NAME = "VLLMTorchDistWeightTransferEngine"
@@ -103,7 +106,10 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                     super().receive_weights(update_info)
             except Exception as e:
                 self.model = model
-                self._abandon_reload()
+                try:
+                    self._abandon_reload()
+                except Exception:  # noqa: BLE001 - report the error that ended the round
+                    logger.exception("restoring the previous weights after a failed round failed")
                 if tracker.last is None:
                     raise
                 name, dtype, shape = tracker.last

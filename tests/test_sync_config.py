@@ -36,7 +36,7 @@ def _expected(config: SyncConfig) -> None:
     assert config.servers == [URL]
     assert config.module == "model"
     assert config.dtype == "bfloat16"
-    assert config.wire_dtype == torch.bfloat16
+    assert config.backend_config()["dtype"] == "bfloat16"
     assert config.pause == "wait"
     assert config.on_error == "warn"
     assert config.init_info == {"master_address": "127.0.0.1", "master_port": 29600}
@@ -95,7 +95,7 @@ def test_defaults():
     assert config.pause_mode == "keep"
     assert config.timeout_s == 300
     assert config.on_error == "raise"
-    assert config.wire_dtype is None
+    assert config.backend_config()["dtype"] is None
     assert config.init_info_for(rank=1) == {"master_address": "127.0.0.1", "master_port": 0, "rank": 1}
     assert SyncConfig(servers=[URL], pause="none").pause_mode is None
 
@@ -117,7 +117,6 @@ def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
     assert config.backend_config() == {"packed": False, "dtype": "bfloat16", "timeout_s": 30}
     nested = SyncConfig(servers=[URL], dtype="bfloat16", timeout_s=30, config={"dtype": "float16", "timeout_s": 5})
     assert nested.backend_config() == {"dtype": "float16", "timeout_s": 5}
-    assert nested.wire_dtype == torch.float16
 
 
 @pytest.mark.parametrize(

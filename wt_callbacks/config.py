@@ -154,6 +154,13 @@ class SyncConfig:
             raise ValueError("servers and ray_actors are mutually exclusive: keep one of them")
         for key in ("servers", "ray_actors", "include", "exclude"):
             _check_str_list(key, getattr(self, key))
+        # Checked here, on every rank alike: only rank 0 builds the client,
+        # and a rank that raises alone leaves the others waiting.
+        bad_urls = [u for u in self.servers if not u.startswith(("http://", "https://"))]
+        if bad_urls:
+            raise ValueError(f"servers: {bad_urls[0]!r} is not an http(s) URL such as 'http://127.0.0.1:8000'")
+        if len(set(self.servers)) != len(self.servers):
+            raise ValueError(f"servers: the same server is listed twice: {self.servers}")
 
         if isinstance(self.dtype, torch.dtype):
             self.dtype = dtype_name(self.dtype)
@@ -197,12 +204,6 @@ class SyncConfig:
             if key in keys and merged.get(key) is None:
                 merged[key] = value
         return merged
-
-    @property
-    def wire_dtype(self) -> torch.dtype | None:
-        """The wire dtype in effect (``config.dtype`` wins over ``dtype``)."""
-        name = self.config.get("dtype") or self.dtype
-        return None if name is None else dtype_from_name(name, key="dtype")
 
     def init_info_for(self, rank: int) -> dict[str, Any]:
         """The backend init_info of trainer ``rank``."""

@@ -49,6 +49,9 @@ from wt_callbacks.transfer.factory import WeightTransferEngineFactory
 
 logger = logging.getLogger(__name__)
 
+COMPLETION_PAUSE_WAIT_S = 300.0
+"""How long a completion request waits for a paused receiver to resume."""
+
 
 class StagedWeights:
     """Weight-update target that stages a round and applies it on commit.
@@ -258,6 +261,7 @@ def _error(status: int, message: str) -> Any:
 
 def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
     """The FastAPI app serving vLLM's RL routes (and greedy completions) over ``core``."""
+    import anyio
     from fastapi import Body, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -280,7 +284,7 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
             return _error(500, f"{type(exc).__name__}: {exc}")
 
     @app.get("/health")
-    def health() -> Response:
+    async def health() -> Response:
         return Response(status_code=200)
 
     @app.post("/init_weight_transfer_engine")
@@ -317,8 +321,6 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
                 return _error(400, "body must be {\"weight_version\": str}")
             version = body.get("weight_version")
         # Off the event loop: finishing copies the staged weights.
-        import anyio
-
         await anyio.to_thread.run_sync(core.finish_weight_update, version)
         return {"message": "Weight update finished"}
 
@@ -328,7 +330,7 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
         return {"success": True, "new_version": new_version}
 
     @app.get("/weight_info")
-    def weight_info() -> dict:
+    async def weight_info() -> dict:
         return core.weight_info()
 
     @app.get("/weight_checksums")
@@ -336,27 +338,27 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
         return core.weight_checksums()
 
     @app.get("/get_world_size")
-    def get_world_size(include_dp: bool = True) -> dict:
+    async def get_world_size(include_dp: bool = True) -> dict:
         return {"world_size": 1}
 
     @app.post("/pause")
-    def pause(mode: str = "abort", clear_cache: bool = True) -> Any:
+    async def pause(mode: str = "abort", clear_cache: bool = True) -> Any:
         if mode not in PAUSE_MODES:
             return JSONResponse(status_code=400, content={"error": f"Invalid mode {mode!r}; use one of {PAUSE_MODES}"})
         core.pause()
         return {"status": "paused"}
 
     @app.post("/resume")
-    def resume() -> dict:
+    async def resume() -> dict:
         core.resume()
         return {"status": "resumed"}
 
     @app.get("/v1/models")
-    def models() -> dict:
+    async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model"}]}
 
     @app.post("/v1/completions")
-    def completions(body: dict[str, Any] = Body(...)) -> Any:
+    async def completions(body: dict[str, Any] = Body(...)) -> Any:
         prompt = body.get("prompt")
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
@@ -366,11 +368,19 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
         max_tokens = body.get("max_tokens", 16)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error(400, "max_tokens must be a positive integer")
-        choices = core.complete(prompts, max_tokens, logprobs=body.get("logprobs") is not None)
+        # Wait out a pause here, on the event loop: a worker thread parked per
+        # waiting request could starve the weight routes that end the pause.
+        for _ in range(int(COMPLETION_PAUSE_WAIT_S / 0.01)):
+            if not core.paused:
+                break
+            await anyio.sleep(0.01)
+        choices = await anyio.to_thread.run_sync(
+            lambda: core.complete(prompts, max_tokens, logprobs=body.get("logprobs") is not None, wait_s=0)
+        )
         return {"object": "text_completion", "model": model_name, "choices": choices}
 
     @app.get("/is_paused")
-    def is_paused() -> dict:
+    async def is_paused() -> dict:
         return {"is_paused": core.paused}
 
     return app

@@ -185,6 +185,7 @@ class WeightSync:
         self.epochs_completed = 0
         self._last_attempt = time.monotonic()
         self._last_time_check_step: int | None = None
+        self._last_attempted_step: int | None = None
         self._paused = False
 
     # -- lifecycle -----------------------------------------------------------
@@ -209,22 +210,17 @@ class WeightSync:
         self.close()
         self.rank, self.world_size, self.collectives = rank, world_size, collectives
         cfg = self.config
+        # The engine casts to the wire dtype (before any gather) from its config.
         self.source = ModuleSource(
             # ModuleSource reads only named_parameters(); see CheckpointParameters.
             CheckpointParameters(module, submodule=cfg.module, include=cfg.include, exclude=cfg.exclude),  # type: ignore[arg-type]
-            dtype=cfg.wire_dtype,
         )
         if self._given_client is not None:
             self.client = self._given_client
-        elif rank == 0:
-            self.client = self._build_client()
-        else:
+        elif rank != 0:
             self.client = _RankZeroOnly()
-        if rank == 0 and cfg.pause_mode is not None and not callable(getattr(self.client, "pause", None)):
-            logger.warning(
-                "pause=%r: %s cannot pause generation; rounds run without pausing (set pause: none "
-                "to silence this)", cfg.pause, type(self.client).__name__,
-            )
+        # Rank 0 builds its client in _connect, inside an agreed phase: a Ray
+        # actor that does not exist must fail every rank, not rank 0 alone.
         self._last_attempt = time.monotonic()
         self._phase(self._connect, "connecting to the servers")
 
@@ -261,7 +257,12 @@ class WeightSync:
             due = self._time_due(every, now)
         else:
             due = False
-        return due and step != self.last_synced_step and self.sync(step, now=now) is not None
+        if not due or step in (self.last_synced_step, self._last_attempted_step):
+            return False
+        # Remembered before the round: calls repeating this step (gradient
+        # accumulation) must not retry a failed round once per micro-batch.
+        self._last_attempted_step = step
+        return self.sync(step, now=now) is not None
 
     def sync_at_fit_start(self, step: int) -> SyncResult | None:
         """Cold sync if ``sync_on_fit_start``, also after a resume: a restarted
@@ -365,6 +366,13 @@ class WeightSync:
     def _connect(self) -> None:
         assert self.source is not None
         cfg = self.config
+        if self.client is None:
+            self.client = self._build_client()
+            if cfg.pause_mode is not None and not callable(getattr(self.client, "pause", None)):
+                logger.warning(
+                    "pause=%r: %s cannot pause generation; rounds run without pausing (set pause: none "
+                    "to silence this)", cfg.pause, type(self.client).__name__,
+                )
         self.engine = WeightTransferTrainerFactory.trainer_init(
             cfg.backend,
             cfg.backend_config(),

@@ -16,7 +16,7 @@ import logging
 import types
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -196,6 +196,20 @@ class WeightSource(ABC):
         if dtype is None:
             return self
         return _CastSource(self, dtype)
+
+
+def drain(items: Iterable[Any]) -> None:
+    """Finish iterating a source after a failed round.
+
+    The other trainer ranks are still in the same pass, each tensor an FSDP
+    gather they expect this rank to join; stopping here would deadlock them.
+    Errors are logged, never raised: the round already failed.
+    """
+    try:
+        for _ in items:
+            pass
+    except Exception:  # noqa: BLE001 - already failing; never mask the first error
+        logger.warning("draining the weight source after a failed round failed", exc_info=True)
 
 
 class _CastSource(WeightSource):

@@ -47,6 +47,7 @@ from wt_callbacks.transfer.base import (
     WeightTransferError,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
+    drain,
     dtype_from_name,
     dtype_name,
     finish_with_version,
@@ -404,13 +405,6 @@ class _TimedIterator:
         self.count += 1
         return item
 
-    def drain(self) -> None:
-        """Finish the pass so other ranks' collectives (FSDP gathers) still match."""
-        try:
-            for _ in self:
-                pass
-        except Exception:  # noqa: BLE001 - already failing; never mask the first error
-            logger.warning("draining the weight source after a failed round failed", exc_info=True)
 
 
 def _checked(items: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> Iterator[torch.Tensor]:
@@ -574,7 +568,7 @@ class TorchDistTrainerWeightTransferEngine(
                     pass
         except BaseException as e:
             self._failure = f"{type(e).__name__}: {e}"
-            items.drain()
+            drain(items)
             raise
         finally:
             self.last_stats = TransferStats(
@@ -584,16 +578,26 @@ class TorchDistTrainerWeightTransferEngine(
     def _send_round(self, items: _TimedIterator, metas: list[ParamMeta], weight_version: str | None) -> int:
         if self.group is None:
             raise WeightTransferError("the engine has no transfer group: it was shut down; create a new one")
-        timeout_s = self.config.timeout_s
         self.client.start_weight_update()
         update_info = update_info_for(metas)
         server_call = _spawn(lambda: self.client.update_weights(update_info), "wt-update")
+        try:
+            sent = self._broadcast(_checked(items, metas), metas, server_call)
+        except BaseException:
+            self._abandon_round(server_call)
+            raise
+        finish_with_version(self.client, weight_version)
+        return sent
+
+    def _broadcast(self, tensors: Iterator[torch.Tensor], metas: list[ParamMeta], server_call: Future) -> int:
+        """Stream the tensors, then wait for the servers to confirm the update."""
+        timeout_s = self.config.timeout_s
+        assert self.group is not None
         group = self.group
 
         def wait(work: Any) -> None:
             _wait_work(work, timeout_s=timeout_s, server_call=server_call)
 
-        tensors = _checked(items, metas)
         if self.config.packed:
             sizes = [m.nbytes for m in metas]
             chunks = plan_chunks(sizes, self.config.packed_buffer_size_bytes)
@@ -623,8 +627,28 @@ class TorchDistTrainerWeightTransferEngine(
             ) from e
         except Exception as e:
             raise WeightTransferError(f"update_weights failed on the server: {e}") from e
-        finish_with_version(self.client, weight_version)
         return sent
+
+    def _abandon_round(self, server_call: Future) -> None:
+        """Leave a failed round so that no server stays stuck in it.
+
+        Leaving the group first makes a server still receiving fail at once
+        instead of at its timeout. Then a plain finish ends any session that
+        is still open (a server whose start succeeded while another's failed,
+        or whose update never arrived): otherwise its next start is refused
+        as "already active", and vLLM would serve from the meta tensors of an
+        unfinished layerwise reload. Finishing with nothing loaded keeps the
+        old weights. Best effort: the round's own error is what gets raised.
+        """
+        self.shutdown()
+        try:
+            server_call.exception(timeout=min(self.config.timeout_s, 10.0))
+        except FutureTimeout:
+            pass
+        try:
+            self.client.finish_weight_update()
+        except Exception as e:  # noqa: BLE001 - expected when the update already ended the session
+            logger.debug("finish after a failed round: %s", e)
 
     def shutdown(self) -> None:
         self._pack_buffers.clear()

@@ -31,6 +31,7 @@ from wt_callbacks.transfer.base import (
     WeightSource,
     WeightTransferConfig,
     WeightTransferInitInfo,
+    drain,
     dtype_from_name,
 )
 
@@ -148,7 +149,14 @@ class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConf
 
     def send_weights(self, weight_version: str | None = None) -> None:
         start = time.perf_counter()
-        self.inner.send_weights()
+        try:
+            self.inner.send_weights()
+        except BaseException:
+            # vLLM's sender can fail before touching the source (a refused
+            # start) while the other ranks gather: finish the pass with them.
+            if self.is_sender:
+                drain(self.source)
+            raise
         # vLLM's engines finish without a version; tag it afterwards.
         update_version = getattr(self.client, "update_weight_version", None)
         if self.is_sender and weight_version is not None and callable(update_version):
