@@ -189,6 +189,19 @@ def _tcp_sink(port: int, total_bytes: int, block_bytes: int, trials: int, timeou
             sock.sendall(b"\x01")
 
 
+def measure_memcpy(total_bytes: int, trials: int = 3) -> dict[str, Any]:
+    """Host memory bandwidth: best of ``trials`` copies between two warm buffers."""
+    src = torch.ones(total_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault both buffers in before timing
+    seconds = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        dst.copy_(src)
+        seconds.append(time.perf_counter() - start)
+    return {"bytes": total_bytes, "best_s": min(seconds), "gbps": total_bytes / min(seconds) / GB}
+
+
 def measure_tcp_ceiling(total_bytes: int, block_bytes: int, trials: int, timeout_s: float) -> dict[str, Any]:
     """Raw loopback TCP throughput from this process to a child process.
 
@@ -442,7 +455,7 @@ class CpuLoadMeter:
 
 
 @dataclass(frozen=True)
-class SyncConfig:
+class Setup:
     """One measured configuration: a name and the trainer config dict."""
 
     name: str
@@ -453,7 +466,7 @@ class SyncConfig:
         return getattr(torch, self.config["dtype"]) if self.config.get("dtype") else None
 
 
-def sync_configs(timeout_s: float) -> list[SyncConfig]:
+def sync_configs(timeout_s: float) -> list[Setup]:
     """Packed 256 MiB x 2 (the default), packed 64 MiB x 2 and unpacked, each on an fp32 and a bf16 wire."""
     layouts = {
         "packed 256MiB x2": {"packed": True, "packed_buffer_size_bytes": 256 * MiB, "packed_num_buffers": 2},
@@ -461,13 +474,13 @@ def sync_configs(timeout_s: float) -> list[SyncConfig]:
         "unpacked": {"packed": False},
     }
     return [
-        SyncConfig(f"{layout} {wire}", {**cfg, "dtype": dtype, "timeout_s": timeout_s})
+        Setup(f"{layout} {wire}", {**cfg, "dtype": dtype, "timeout_s": timeout_s})
         for wire, dtype in (("fp32", None), ("bf16", "bfloat16"))
         for layout, cfg in layouts.items()
     ]
 
 
-def rss_bound(model: nn.Module, sync: SyncConfig) -> int:
+def rss_bound(model: nn.Module, sync: Setup) -> int:
     """``num_buffers x packed_buffer_size_bytes + largest tensor bytes`` (on the wire dtype)."""
     wire = sync.wire_dtype
     largest = max(p.numel() * (wire or p.dtype).itemsize for p in model.parameters())
@@ -477,7 +490,7 @@ def rss_bound(model: nn.Module, sync: SyncConfig) -> int:
 
 
 def run_config(
-    model: nn.Module, receiver: ReceiverProcess, sync: SyncConfig, *, rounds: int, seed: int, timeout_s: float
+    model: nn.Module, receiver: ReceiverProcess, sync: Setup, *, rounds: int, seed: int, timeout_s: float
 ) -> dict[str, Any]:
     """Warm-up, ``rounds`` timed rounds, one RSS-sampled round, then the checksum check."""
     from wt_callbacks.checksums import module_checksums
@@ -491,14 +504,16 @@ def run_config(
             "torch_dist", sync.config, init_info, client=client, source=ModuleSource(model)
         )
         try:
-            engine.send_weights("v")  # warm-up
+            # The first round is the warm-up, RSS-sampled: it allocates the
+            # buffers the engine then keeps, so its peak is the memory cost.
+            with RssSampler() as rss:
+                engine.send_weights("v")
+            rss_round_s = engine.last_stats.seconds
             timed = []
             with CpuLoadMeter(receiver.proc.pid) as load:
                 for _ in range(rounds):
                     engine.send_weights("v")
                     timed.append({**vars(engine.last_stats), **{f"{k}_s": v for k, v in client.call_seconds.items()}})
-            with RssSampler() as rss:
-                engine.send_weights("v")
         finally:
             engine.shutdown()
     finally:
@@ -532,9 +547,62 @@ def run_config(
             "bound_bytes": bound,
             "ratio_to_bound": rss.extra / bound,
             "samples": rss.samples,
-            "round_seconds": engine.last_stats.seconds,
+            "round_seconds": rss_round_s,
         },
         "checksum": {"passed": not mismatched, "mismatched": len(mismatched), "first_mismatched": mismatched[:5]},
+    }
+
+
+def run_per_parameter(model: nn.Module, receiver: ReceiverProcess, *, rounds: int, timeout_s: float) -> dict[str, Any]:
+    """The per-parameter way (TRL's classic client): one ``update_weights``
+    call and one broadcast per tensor, each call answered before the next.
+
+    It reuses an unpacked engine's group and client for the transport and
+    drives the round by hand, so the only difference from ``unpacked`` is the
+    control call per tensor.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wt_callbacks.transfer import ModuleSource, WeightTransferTrainerFactory
+    from wt_callbacks.transfer.backends.torch_dist import update_info_for
+
+    source = ModuleSource(model)
+    metas = source.metadata()
+    client = make_timed_client(receiver.url, timeout_s)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        "torch_dist",
+        {"packed": False, "timeout_s": timeout_s},
+        {"master_address": LOOPBACK, "master_port": 0, "rank": 0},
+        client=client,
+        source=source,
+    )
+    seconds = []
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            for _ in range(rounds + 1):  # the first is the warm-up
+                start = time.perf_counter()
+                client.start_weight_update()
+                for meta, (_, tensor) in zip(metas, source):
+                    call = pool.submit(client.update_weights, update_info_for([meta]))
+                    engine.group.broadcast(tensor.contiguous()).wait()
+                    call.result(timeout=timeout_s)
+                client.finish_weight_update("v")
+                seconds.append(time.perf_counter() - start)
+    finally:
+        engine.shutdown()
+        client.close()
+    from wt_callbacks.checksums import module_checksums
+
+    timed = seconds[1:]
+    sent = sum(m.nbytes for m in metas)
+    return {
+        "name": "per-parameter calls fp32",
+        "bytes": sent,
+        "tensors": len(metas),
+        "checksum_passed": receiver.checksums(timeout_s) == module_checksums(model),
+        "median_s": statistics.median(timed),
+        "min_s": min(timed),
+        "gbps_median": sent / statistics.median(timed) / GB,
     }
 
 
@@ -562,10 +630,17 @@ def markdown_table(result: dict[str, Any]) -> str:
             f"{c['rss']['ratio_to_bound']:.2f} | {'pass' if c['checksum']['passed'] else 'FAIL'} | "
             f"{c['other_cpu_cores']:.2f} |"
         )
+    p = result["per_parameter"]
+    rows.append(
+        f"| {p['name']} | {p['bytes'] / 1e6:.0f} | {p['median_s']:.3f} | {p['min_s']:.3f} | "
+        f"{p['gbps_median']:.2f} | {p['ratio_to_tcp']:.0%} | | | | | | {'pass' if p['checksum_passed'] else 'FAIL'} | |"
+    )
     rows.append(
         f"| raw TCP ceiling | {tcp['bytes'] / 1e6:.0f} | | {tcp['best_seconds']:.3f} | {tcp['gbps']:.2f} "
         "| 100% | | | | | | | |"
     )
+    memcpy = result["memcpy"]
+    rows.append(f"| memcpy (one core) | {memcpy['bytes'] / 1e6:.0f} | | {memcpy['best_s']:.3f} | {memcpy['gbps']:.2f} | | | | | | | | |")
     m = result["model"]
     title = (
         f"Synthetic Llama fp32: {m['params'] / 1e6:.1f}M params (hidden {m['hidden']}, {m['layers']} layers, "
@@ -602,6 +677,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tcp = measure_tcp_ceiling(parse_size(args.tcp_bytes), 64 * MiB, trials=3, timeout_s=args.timeout)
     print(f"raw TCP ceiling: {tcp['gbps']:.2f} GB/s", flush=True)
+    memcpy = measure_memcpy(min(parse_size(args.tcp_bytes), 1 << 30))
+    print(f"memcpy: {memcpy['gbps']:.2f} GB/s", flush=True)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     configs = []
@@ -618,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"checksum {'pass' if row['checksum']['passed'] else 'FAIL'}",
                 flush=True,
             )
+        per_parameter = run_per_parameter(model, receiver, rounds=args.rounds, timeout_s=args.timeout)
+        per_parameter["ratio_to_tcp"] = per_parameter["gbps_median"] / tcp["gbps"]
+        print(f"per-parameter calls: median {per_parameter['median_s']:.3f} s", flush=True)
 
     result = {
         "machine": {
@@ -636,13 +716,16 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "torch_threads": torch.get_num_threads(),
         "tcp_ceiling": tcp,
+        "memcpy": memcpy,
         "configs": configs,
+        "per_parameter": per_parameter,
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print()
     print(markdown_table(result))
     print(f"\nwrote {args.out}")
     failed = [c["name"] for c in configs if not c["checksum"]["passed"]]
+    failed += [] if per_parameter["checksum_passed"] else [per_parameter["name"]]
     if failed:
         print(f"CHECKSUM FAILURE: {failed}", file=sys.stderr)
         return 1
