@@ -205,6 +205,13 @@ def main() -> None:
     )
     if result["rank"] == 0:
         Path(args.out).write_text(json.dumps(result))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        # Leave together: a gloo group torn down at interpreter exit while the
+        # peer is already gone can abort the process ("terminate called ...").
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
