@@ -146,16 +146,16 @@ class ReceiverCore:
     def resume(self) -> None:
         self._unpaused.set()
 
-    def complete(self, prompts: Sequence[str], max_tokens: int, logprobs: bool, *, wait_s: float = 300.0) -> list[dict[str, Any]]:
+    def complete(self, prompts: Sequence[str], max_tokens: int, logprobs: bool) -> list[dict[str, Any]]:
         """Greedy completions (what the quickstart and tests ask a server for).
 
-        While paused, requests wait for ``resume`` (vLLM's ``keep``/``wait``
-        behaviour for new requests) for at most ``wait_s``.
+        Refused while paused: the HTTP route waits out a pause before calling
+        this (vLLM's ``keep``/``wait`` behaviour for new requests).
         """
         if self.tokenizer is None or not callable(getattr(self.model, "generate", None)):
             raise ValueError("this receiver serves no completions: it needs a transformers model and tokenizer")
-        if not self._unpaused.wait(wait_s):
-            raise TimeoutError(f"generation stayed paused for more than {wait_s:g} s")
+        if self.paused:
+            raise TimeoutError(f"generation stayed paused for more than {COMPLETION_PAUSE_WAIT_S:g} s")
         choices = []
         with self._lock, torch.no_grad():
             for index, prompt in enumerate(prompts):
@@ -375,7 +375,7 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
                 break
             await anyio.sleep(0.01)
         choices = await anyio.to_thread.run_sync(
-            lambda: core.complete(prompts, max_tokens, logprobs=body.get("logprobs") is not None, wait_s=0)
+            lambda: core.complete(prompts, max_tokens, logprobs=body.get("logprobs") is not None)
         )
         return {"object": "text_completion", "model": model_name, "choices": choices}
 
