@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.support import models
-from tests.support.procs import free_port
+from tests.support.procs import free_port, leave_group_together
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
@@ -254,7 +254,7 @@ def _fsdp_rank(rank: int, world: int, port: int, url: str, out_dir: str, dtype: 
         if rank == 0:
             torch.save({"expected": expected, "got": receiver_checksums(url)}, os.path.join(out_dir, "result.pt"))
     finally:
-        dist.destroy_process_group()
+        leave_group_together()
 
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"], ids=["fp32-wire", "bf16-wire-cast-before-gather"])

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.support.procs import free_port
+from tests.support.procs import free_port, leave_group_together
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.naming import CheckpointParameters, checkpoint_name, find_submodule
@@ -396,7 +396,7 @@ def _fsdp_rank(rank: int, world_size: int, pg_port: int, good_url: str, bad_url:
         ws.close()
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
-        dist.destroy_process_group()
+        leave_group_together()
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.support import models  # noqa: E402
+from tests.support.procs import leave_group_together  # noqa: E402
 from tests.support.vllm_server import load_toy_task  # noqa: E402
 from wt_callbacks.checksums import module_checksums  # noqa: E402
 from wt_callbacks.transfer import materialize_full_tensor  # noqa: E402
@@ -205,13 +206,7 @@ def main() -> None:
     )
     if result["rank"] == 0:
         Path(args.out).write_text(json.dumps(result))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        # Leave together: a gloo group torn down at interpreter exit while the
-        # peer is already gone can abort the process ("terminate called ...").
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_group_together()
 
 
 if __name__ == "__main__":
