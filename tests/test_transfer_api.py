@@ -426,6 +426,37 @@ def test_receiver_refuses_mismatched_names_before_streaming(receiver):
     engine.shutdown()
 
 
+def test_receiver_reload_weights_from_safetensors(receiver, tmp_path):
+    """vLLM's reload-from-disk RPC: all or nothing, and no version change."""
+    from safetensors.torch import save_file
+
+    url = receiver.url
+    new = torch.nn.Linear(4, 4)
+    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in new.state_dict().items()}, tmp_path / "model.safetensors")
+    reply = requests.post(
+        f"{url}/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}, timeout=10
+    )
+    assert reply.status_code == 200 and reply.json() == {"results": [None]}
+    assert torch.equal(receiver.model.weight, new.weight.detach().to(torch.bfloat16).float())
+    assert requests.get(f"{url}/weight_info", timeout=5).json()["updates_completed"] == 0
+
+    before = receiver.model.weight.detach().clone()
+    save_file({"weight": torch.ones(4, 4), "bias": torch.ones(5)}, tmp_path / "model.safetensors")
+    wrong = requests.post(
+        f"{url}/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}, timeout=10
+    )
+    assert wrong.status_code == 500 and "shape mismatch for 'bias'" in wrong.json()["error"]["message"]
+    assert torch.equal(receiver.model.weight, before)
+    empty = requests.post(
+        f"{url}/collective_rpc",
+        json={"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "none")}},
+        timeout=10,
+    )
+    assert empty.status_code == 500 and "has no *.safetensors file" in empty.json()["error"]["message"]
+    other = requests.post(f"{url}/collective_rpc", json={"method": "sleep"}, timeout=10)
+    assert other.status_code == 400 and "'sleep' is not supported" in other.json()["error"]["message"]
+
+
 def test_receiver_port_in_use_is_named(receiver):
     port = int(receiver.url.rsplit(":", 1)[1])
     with pytest.raises(OSError, match=f"receiver cannot listen on 127.0.0.1:{port}"):

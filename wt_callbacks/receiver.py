@@ -10,7 +10,9 @@ Beyond vLLM it reports ``updates_completed`` and ``version_history`` in
 parameter) so a test can prove a sync was bitwise exact. Updates are
 transactional: tensors are staged during a round and copied into the model
 only when ``finish_weight_update`` succeeds; an interrupted round leaves the
-old weights in place.
+old weights in place. ``POST /collective_rpc`` serves vLLM's
+``reload_weights`` (load ``*.safetensors`` from a directory), the
+reload-from-disk alternative to pushing.
 
 Three ways to run it:
 
@@ -93,9 +95,11 @@ class StagedWeights:
             param = self._params.get(name)
             if param is None:
                 raise ValueError(f"parameter {name!r} is not in the served model")
-            # Received tensors are views into a fresh per-chunk buffer, so
-            # keeping them costs no copy when the dtype already matches.
-            self._staged[name] = tensor if tensor.dtype == param.dtype else tensor.to(param.dtype)
+            # Received tensors are views into the round's receive buffers:
+            # staging keeps them as they are. A wire dtype other than the
+            # model's is converted by ``copy_`` at commit, in the same pass as
+            # the copy, rather than into a fresh model-sized allocation here.
+            self._staged[name] = tensor
 
     def commit(self) -> None:
         with torch.no_grad():
@@ -231,6 +235,33 @@ class ReceiverCore:
             self.updates_completed += 1
             self.version_history.append(self.weight_version)
 
+    def reload_weights(self, weights_path: str) -> None:
+        """Load every ``*.safetensors`` file in ``weights_path`` (vLLM's
+        ``reload_weights`` collective RPC: the reload-from-disk way to sync).
+
+        Validated and applied like a pushed round (all or nothing), but it
+        does not change ``weight_version`` or count as an update: vLLM's
+        reload does neither.
+        """
+        from pathlib import Path
+
+        try:
+            from safetensors.torch import load_file
+        except ImportError as e:
+            raise RuntimeError("reload_weights needs safetensors: pip install 'wt-callbacks[receiver]'") from e
+        files = sorted(Path(weights_path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"weights_path={weights_path!r} has no *.safetensors file")
+        with self._lock:
+            if self._stage is not None:
+                raise RuntimeError("Cannot reload weights while a weight update is active.")
+            stage = StagedWeights(self.model)
+            for file in files:
+                tensors = load_file(file)
+                stage.validate_update(list(tensors), [t.dtype for t in tensors.values()], [tuple(t.shape) for t in tensors.values()])
+                stage.load_weights(tensors.items())
+            stage.commit()
+
     def update_weight_version(self, new_version: str) -> None:
         self.weight_version = new_version
 
@@ -323,6 +354,20 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
         # Off the event loop: finishing copies the staged weights.
         await anyio.to_thread.run_sync(core.finish_weight_update, version)
         return {"message": "Weight update finished"}
+
+    @app.post("/collective_rpc")
+    def collective_rpc(
+        method: str = Body(...),
+        args: list[Any] = Body(default_factory=list),
+        kwargs: dict[str, Any] = Body(default_factory=dict),
+        timeout: float | None = Body(None),
+    ) -> Any:
+        # vLLM dispatches any worker method here; the one a weight-sync setup
+        # uses is the reload-from-disk alternative to pushing.
+        if method != "reload_weights":
+            return _error(400, f"method {method!r} is not supported here; this receiver serves 'reload_weights'")
+        core.reload_weights(*args, **kwargs)
+        return {"results": [None]}
 
     @app.post("/update_weight_version")
     def update_weight_version(new_version: str = Body(..., embed=True)) -> dict:
