@@ -1,30 +1,36 @@
 """Trainer -> receiver weight-sync throughput of the ``torch_dist`` backend over loopback.
 
-Run from the repository root::
+Run from the repository root (about 10 minutes on 2 cores)::
 
-    python benchmarks/transfer_throughput.py --params 100M --out benchmarks/results/transfer.json
+    python benchmarks/transfer_throughput.py --out benchmarks/results/transfer.json
 
 What it does:
 
-1. Builds a seeded, Llama-shaped fp32 model of about ``--params`` parameters
-   (embedding, N decoder layers of q/k/v/o + gate/up/down weights and two
-   norms, final norm, lm_head) with plain ``torch.nn``.
-2. Measures the ceiling: raw TCP throughput over 127.0.0.1 from this process
-   to a child process that ``recv_into``'s a large buffer.
-3. Starts the reference receiver in a separate process
+1. Measures the ceilings: raw TCP throughput over 127.0.0.1 from this
+   process to a child process that ``recv_into``'s a reused buffer, and
+   memcpy bandwidth.
+2. For each ``--params`` size (default 50M, 200M, 500M) builds a seeded,
+   Llama-shaped fp32 model (embedding, N decoder layers of q/k/v/o +
+   gate/up/down weights and two norms, final norm, lm_head) with plain
+   ``torch.nn``, and starts the reference receiver in a separate process
    (``python -m wt_callbacks.receiver --module-factory
    benchmarks.transfer_throughput:receiver_model``; the size travels in the
    ``WT_BENCH_PARAMS`` environment variable). Its model starts from another
    seed, so a passing checksum proves the weights really travelled.
-4. For every configuration (packed 256 MiB x 2 buffers, packed 64 MiB x 2
-   buffers, unpacked; fp32 and bf16 wire) it re-seeds the trainer model,
-   runs ``trainer_init``, 1 warm-up + ``--rounds`` timed ``send_weights``,
-   then one more round while sampling this process's RSS every ~1 ms, and
-   finally compares the receiver's ``GET /weight_checksums`` with
-   ``module_checksums(model, via_dtype=...)``.
+3. For every configuration (``sync_configs``: packed 64 MiB / 256 MiB / 1 GiB
+   buckets with 2 and 1 buffers, unpacked, fp32 and bf16 wires, each host
+   transport) it re-seeds the trainer model, runs ``trainer_init``, one
+   warm-up round while sampling this process's RSS every ~1 ms, and
+   ``--rounds`` timed ``send_weights``, then compares the receiver's
+   ``GET /weight_checksums`` with ``module_checksums(model, via_dtype=...)``.
+4. The alternatives, over the same receiver: the per-parameter way (one
+   ``update_weights`` call and one broadcast per tensor, as TRL's classic
+   client does) and the disk way (write safetensors, then the receiver's
+   ``reload_weights`` RPC loads them).
 
-Output: a JSON file (``--out``) and a markdown table on stdout. The exit
-status is 1 if any checksum differs. GB are 10^9 bytes.
+Output: JSON (``--out``), the same results as a markdown report (``.md``
+next to it) and a plot of throughput vs model size per method (``.png``).
+The exit status is 1 if any checksum differs. GB are 10^9 bytes.
 """
 
 from __future__ import annotations
@@ -466,18 +472,48 @@ class Setup:
         return getattr(torch, self.config["dtype"]) if self.config.get("dtype") else None
 
 
+BUCKETS = {"64MiB": 64 * MiB, "256MiB": 256 * MiB, "1GiB": 1024 * MiB}
+DTYPES = {"fp32": None, "bf16": "bfloat16"}
+DEFAULT_CONFIG = "packed 64MiB x2 fp32 gloo"
+"""The row of the shipped default (``TorchDistTrainerConfig()`` with the gloo transport)."""
+
+
+def transports() -> list[str]:
+    """The host transports this version of the backend offers (gloo, and shm where it exists)."""
+    from wt_callbacks.transfer.backends.torch_dist import TRANSPORTS
+
+    return [t for t in ("gloo", "shm") if t in TRANSPORTS]
+
+
 def sync_configs(timeout_s: float) -> list[Setup]:
-    """Packed 256 MiB x 2 (the default), packed 64 MiB x 2 and unpacked, each on an fp32 and a bf16 wire."""
-    layouts = {
-        "packed 256MiB x2": {"packed": True, "packed_buffer_size_bytes": 256 * MiB, "packed_num_buffers": 2},
-        "packed 64MiB x2": {"packed": True, "packed_buffer_size_bytes": 64 * MiB, "packed_num_buffers": 2},
-        "unpacked": {"packed": False},
-    }
-    return [
-        Setup(f"{layout} {wire}", {**cfg, "dtype": dtype, "timeout_s": timeout_s})
-        for wire, dtype in (("fp32", None), ("bf16", "bfloat16"))
-        for layout, cfg in layouts.items()
+    """The measured configurations, the shipped default first.
+
+    fp32 wire: packed with 64 MiB / 256 MiB / 1 GiB buckets, each with 2 and
+    with 1 buffer, and unpacked; bf16 wire: packed 64 MiB / 256 MiB x 2 and
+    unpacked. On gloo (TCP), and the packed default again on every other host
+    transport the backend has. The transport is always explicit, so what a
+    row measures does not depend on what ``auto`` picks.
+    """
+    default = {"packed": True, "packed_buffer_size_bytes": 64 * MiB, "packed_num_buffers": 2}
+    layouts: list[tuple[str, str, dict[str, Any]]] = [
+        (f"packed {bucket} x{n}", wire, {"packed": True, "packed_buffer_size_bytes": size, "packed_num_buffers": n})
+        for wire, buckets, counts in (("fp32", BUCKETS, (2, 1)), ("bf16", ("64MiB", "256MiB"), (2,)))
+        for bucket in buckets
+        for size in (BUCKETS[bucket],)
+        for n in counts
     ]
+    layouts += [("unpacked", wire, {"packed": False}) for wire in ("fp32", "bf16")]
+    setups = [
+        Setup(f"{layout} {wire} gloo", {**cfg, "transport": "gloo", "dtype": DTYPES[wire], "timeout_s": timeout_s})
+        for layout, wire, cfg in layouts
+    ]
+    for transport in transports()[1:]:
+        setups += [
+            Setup(f"packed 64MiB x2 {wire} {transport}", {**default, "transport": transport, "dtype": DTYPES[wire], "timeout_s": timeout_s})
+            for wire in ("fp32", "bf16")
+        ]
+    return sorted(setups, key=lambda setup: setup.name != DEFAULT_CONFIG)
+
 
 
 def rss_bound(model: nn.Module, sync: Setup) -> int:
@@ -571,7 +607,8 @@ def run_per_parameter(model: nn.Module, receiver: ReceiverProcess, *, rounds: in
     client = make_timed_client(receiver.url, timeout_s)
     engine = WeightTransferTrainerFactory.trainer_init(
         "torch_dist",
-        {"packed": False, "timeout_s": timeout_s},
+        # gloo as for the configurations it is compared with.
+        {"packed": False, "transport": "gloo", "timeout_s": timeout_s},
         {"master_address": LOOPBACK, "master_port": 0, "rank": 0},
         client=client,
         source=source,
@@ -596,7 +633,7 @@ def run_per_parameter(model: nn.Module, receiver: ReceiverProcess, *, rounds: in
     timed = seconds[1:]
     sent = sum(m.nbytes for m in metas)
     return {
-        "name": "per-parameter calls fp32",
+        "name": "per-parameter calls fp32 gloo",
         "bytes": sent,
         "tensors": len(metas),
         "checksum_passed": receiver.checksums(timeout_s) == module_checksums(model),
@@ -606,23 +643,128 @@ def run_per_parameter(model: nn.Module, receiver: ReceiverProcess, *, rounds: in
     }
 
 
+def run_disk(
+    model: nn.Module, receiver: ReceiverProcess, *, rounds: int, timeout_s: float, directory: Path | None
+) -> dict[str, Any]:
+    """The disk way: write the weights as safetensors, then have the receiver
+    load them (``POST /collective_rpc`` ``reload_weights``, vLLM's reload RPC).
+
+    Nothing is fsync'ed, so the load reads from the page cache of this
+    machine: the most favourable case for the disk. Across machines it would
+    also need a shared filesystem.
+    """
+    import requests
+    from safetensors.torch import save_file
+
+    from wt_callbacks.checksums import module_checksums
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="wt-disk-", dir=directory) as tmp:
+        for _ in range(rounds + 1):  # the first is the warm-up
+            start = time.perf_counter()
+            save_file({name: p.detach() for name, p in model.named_parameters()}, Path(tmp) / "model.safetensors")
+            saved = time.perf_counter()
+            reply = requests.post(
+                f"{receiver.url}/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": tmp}},
+                timeout=timeout_s,
+            )
+            reply.raise_for_status()
+            rows.append({"save_s": saved - start, "load_s": time.perf_counter() - saved, "seconds": time.perf_counter() - start})
+        filesystem = _filesystem_of(Path(tmp))
+    timed = rows[1:]
+    sent = sum(p.numel() * p.element_size() for p in model.parameters())
+    median = statistics.median(r["seconds"] for r in timed)
+    return {
+        "name": "disk: safetensors write + receiver reload fp32",
+        "bytes": sent,
+        "filesystem": filesystem,
+        "rounds": timed,
+        "median_s": median,
+        "min_s": min(r["seconds"] for r in timed),
+        "median_save_s": statistics.median(r["save_s"] for r in timed),
+        "median_load_s": statistics.median(r["load_s"] for r in timed),
+        "gbps_median": sent / median / GB,
+        "checksum_passed": receiver.checksums(timeout_s) == module_checksums(model),
+    }
+
+
+def _filesystem_of(path: Path) -> str:
+    """The filesystem type holding ``path`` (from /proc/mounts; "tmpfs" means RAM)."""
+    best = ("", "unknown")
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            _, mount_point, fs_type = line.split()[:3]
+            if str(path.resolve()).startswith(mount_point) and len(mount_point) > len(best[0]):
+                best = (mount_point, fs_type)
+    return best[1]
+
+
+def run_size(params_text: str, args: argparse.Namespace, tcp_gbps: float) -> dict[str, Any]:
+    """Every configuration, the per-parameter way and the disk way for one model size."""
+    shape = shape_for(parse_size(params_text))
+    model = build_model(shape, TRAINER_SEED)
+    params = list(model.parameters())
+    print(f"\nmodel {params_text}: {sum(p.numel() for p in params) / 1e6:.1f}M params, {len(params)} tensors, {shape}", flush=True)
+    with tempfile.NamedTemporaryFile(prefix="wt-receiver-", suffix=".log", delete=False) as log:
+        log_path = Path(log.name)
+    configs = []
+    with ReceiverProcess(params_text, log_path, args.timeout, args.torch_threads) as receiver:
+        print(f"receiver (pid {receiver.proc.pid}) on {receiver.url}; log {log_path}", flush=True)
+        for i, sync in enumerate(sync_configs(args.timeout)):
+            row = run_config(model, receiver, sync, rounds=args.rounds, seed=TRAINER_SEED + 1 + i, timeout_s=args.timeout)
+            configs.append(row)
+            print(
+                f"  {sync.name}: median {row['median_s']:.3f} s, {row['gbps_median']:.2f} GB/s, "
+                f"RSS {row['rss']['ratio_to_bound']:.2f} x bound, checksum {'pass' if row['checksum']['passed'] else 'FAIL'}",
+                flush=True,
+            )
+        per_parameter = run_per_parameter(model, receiver, rounds=args.rounds, timeout_s=args.timeout)
+        print(f"  per-parameter calls: median {per_parameter['median_s']:.3f} s", flush=True)
+        disk = run_disk(model, receiver, rounds=args.rounds, timeout_s=args.timeout, directory=args.disk_dir)
+        print(f"  disk ({disk['filesystem']}): median {disk['median_s']:.3f} s", flush=True)
+    for row in [*configs, per_parameter, disk]:
+        row["ratio_to_tcp"] = row["gbps_median"] / tcp_gbps
+    default = configs[0]
+    return {
+        "params_text": params_text,
+        "model": {
+            "params": sum(p.numel() for p in params),
+            "tensors": len(params),
+            "largest_tensor_bytes": max(p.numel() * p.element_size() for p in params),
+            **vars(shape),
+        },
+        "configs": configs,
+        "per_parameter": per_parameter,
+        "disk": disk,
+        "default": {
+            "name": default["name"],
+            "ratio_to_tcp": default["ratio_to_tcp"],
+            "speedup_vs_per_parameter": per_parameter["median_s"] / default["median_s"],
+            "speedup_vs_disk": disk["median_s"] / default["median_s"],
+        },
+    }
+
+
 # --------------------------------------------------------------------------- #
 # Report
 # --------------------------------------------------------------------------- #
 
 
-def markdown_table(result: dict[str, Any]) -> str:
-    """The results as a markdown table (one row per configuration plus the TCP ceiling)."""
-    tcp = result["tcp_ceiling"]
-    header = (
-        "| config | MB sent | median s | min s | GB/s (median) | vs TCP | gather s | "
-        "HTTP start+finish s | peak extra RSS MiB | bound MiB | RSS/bound | checksum | other load (cores) |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|\n"
-    )
-    rows = []
-    for c in result["configs"]:
+def size_table(size: dict[str, Any]) -> str:
+    """One model size: a row per configuration, then the per-parameter and disk ways."""
+    m = size["model"]
+    lines = [
+        f"#### {m['params'] / 1e6:.0f}M params (hidden {m['hidden']}, {m['layers']} layers, vocab {m['vocab']}, "
+        f"{m['tensors']} tensors, largest {m['largest_tensor_bytes'] / MiB:.0f} MiB)",
+        "",
+        "| config | MB sent | median s | min s | GB/s | vs TCP | gather s | HTTP start+finish s | "
+        "peak extra RSS MiB | bound MiB | RSS/bound | checksum | other load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for c in size["configs"]:
         calls = c["median_call_s"]
-        rows.append(
+        lines.append(
             f"| {c['name']} | {c['bytes'] / 1e6:.0f} | {c['median_s']:.3f} | {c['min_s']:.3f} | "
             f"{c['gbps_median']:.2f} | {c['ratio_to_tcp']:.0%} | {c['median_gather_s']:.3f} | "
             f"{calls['start_weight_update'] + calls['finish_weight_update']:.3f} | "
@@ -630,33 +772,96 @@ def markdown_table(result: dict[str, Any]) -> str:
             f"{c['rss']['ratio_to_bound']:.2f} | {'pass' if c['checksum']['passed'] else 'FAIL'} | "
             f"{c['other_cpu_cores']:.2f} |"
         )
-    p = result["per_parameter"]
-    rows.append(
-        f"| {p['name']} | {p['bytes'] / 1e6:.0f} | {p['median_s']:.3f} | {p['min_s']:.3f} | "
-        f"{p['gbps_median']:.2f} | {p['ratio_to_tcp']:.0%} | | | | | | {'pass' if p['checksum_passed'] else 'FAIL'} | |"
+    for way in (size["per_parameter"], size["disk"]):
+        extra = f" (write {way['median_save_s']:.3f} + load {way['median_load_s']:.3f}, {way['filesystem']})" if "filesystem" in way else ""
+        lines.append(
+            f"| {way['name']}{extra} | {way['bytes'] / 1e6:.0f} | {way['median_s']:.3f} | {way['min_s']:.3f} | "
+            f"{way['gbps_median']:.2f} | {way['ratio_to_tcp']:.0%} | | | | | | {'pass' if way['checksum_passed'] else 'FAIL'} | |"
+        )
+    return "\n".join(lines)
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    """Per size: the shipped default and the fastest configuration against the ceiling and the alternatives."""
+    lines = [
+        "| params | default s | default GB/s | default vs TCP | fastest fp32 config | its GB/s | its vs TCP | "
+        "default vs per-parameter | default vs disk | worst RSS/bound |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for size in result["sizes"]:
+        default = size["configs"][0]
+        fastest = min((c for c in size["configs"] if c["config"]["dtype"] is None), key=lambda c: c["median_s"])
+        worst_rss = max(c["rss"]["ratio_to_bound"] for c in size["configs"])
+        lines.append(
+            f"| {size['model']['params'] / 1e6:.0f}M | {default['median_s']:.3f} | {default['gbps_median']:.2f} | "
+            f"{default['ratio_to_tcp']:.0%} | {fastest['name']} | {fastest['gbps_median']:.2f} | "
+            f"{fastest['ratio_to_tcp']:.0%} | {size['default']['speedup_vs_per_parameter']:.1f}x | "
+            f"{size['default']['speedup_vs_disk']:.1f}x | {worst_rss:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    tcp, memcpy = result["tcp_ceiling"], result["memcpy"]
+    head = (
+        f"Trainer -> reference receiver process over 127.0.0.1, synthetic Llama fp32 models; "
+        f"{result['rounds']} timed rounds after 1 warm-up; {result['torch_threads']} torch thread(s) per process; "
+        f"{result['machine']['cpus']} CPUs. Ceilings measured in the same run: raw loopback TCP "
+        f"{tcp['gbps']:.2f} GB/s ({tcp['bytes'] / 1e6:.0f} MB, best of 3), memcpy {memcpy['gbps']:.2f} GB/s (one core). "
+        f"GB = 10^9 bytes; GB/s counts the bytes on the wire (a bf16 wire carries half); "
+        f"`other load` = CPU cores used by other processes meanwhile (comparable only near 0).\n"
     )
-    rows.append(
-        f"| raw TCP ceiling | {tcp['bytes'] / 1e6:.0f} | | {tcp['best_seconds']:.3f} | {tcp['gbps']:.2f} "
-        "| 100% | | | | | | | |"
-    )
-    memcpy = result["memcpy"]
-    rows.append(f"| memcpy (one core) | {memcpy['bytes'] / 1e6:.0f} | | {memcpy['best_s']:.3f} | {memcpy['gbps']:.2f} | | | | | | | | |")
-    m = result["model"]
-    title = (
-        f"Synthetic Llama fp32: {m['params'] / 1e6:.1f}M params (hidden {m['hidden']}, {m['layers']} layers, "
-        f"vocab {m['vocab']}, {m['tensors']} tensors); {result['rounds']} timed rounds after 1 warm-up; "
-        f"{result['torch_threads']} torch thread(s) per process.\n\n"
-    )
-    return title + header + "\n".join(rows)
+    parts = [head, "### Summary", "", summary_table(result), ""]
+    for size in result["sizes"]:
+        parts += [size_table(size), ""]
+    return "\n".join(parts)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Throughput vs model size, one line per method, the TCP ceiling dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = result["sizes"]
+    x = [s["model"]["params"] / 1e6 for s in sizes]
+    series: dict[str, list[float]] = {}
+    for s in sizes:
+        for row in [*s["configs"], s["per_parameter"], s["disk"]]:
+            series.setdefault(row["name"], []).append(row["gbps_median"])
+    shown = [name for name in series if len(series[name]) == len(x)]
+    # Every configuration would be unreadable: the default, the 1-buffer and
+    # bigger-bucket variants of fp32 packing, unpacked, and the alternatives.
+    keep = ("64MiB x2", "1GiB x2", "64MiB x1", "unpacked fp32", "per-parameter", "disk")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in shown:
+        if any(k in name for k in keep) and ("bf16" not in name or "64MiB x2" in name):
+            ax.plot(x, series[name], marker="o", label=name)
+    ax.axhline(result["tcp_ceiling"]["gbps"], color="black", linestyle="--", label="raw loopback TCP ceiling")
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set_xticks(x, [f"{v:.0f}M" for v in x])
+    ax.set_xlabel("model parameters")
+    ax.set_ylabel("GB/s on the wire (median round)")
+    ax.set_title("Weight sync, trainer -> receiver process on one host")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", default="100M", help="target parameter count, e.g. 100M or 2M (default 100M)")
+    parser.add_argument(
+        "--params", default="50M,200M,500M", help="comma-separated model sizes, e.g. 50M,200M,500M (default) or 2M"
+    )
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (default 5)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks/results/transfer.json")
     parser.add_argument("--tcp-bytes", default="1G", help="bytes per raw-TCP trial (default 1G = 10^9)")
     parser.add_argument("--timeout", type=float, default=120.0, help="bound in seconds on every wait")
+    parser.add_argument("--disk-dir", type=Path, default=None, help="where the disk way writes (default: the temp dir)")
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -667,38 +872,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    sizes_text = [text.strip() for text in args.params.split(",") if text.strip()]
+    try:
+        for text in sizes_text:
+            shape_for(parse_size(text))
+    except ValueError as e:
+        parser.error(f"--params: {e}")
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-
-    shape = shape_for(parse_size(args.params))
-    model = build_model(shape, TRAINER_SEED)
-    params = list(model.parameters())
-    print(f"model: {sum(p.numel() for p in params) / 1e6:.1f}M params, {shape}", flush=True)
 
     tcp = measure_tcp_ceiling(parse_size(args.tcp_bytes), 64 * MiB, trials=3, timeout_s=args.timeout)
     print(f"raw TCP ceiling: {tcp['gbps']:.2f} GB/s", flush=True)
     memcpy = measure_memcpy(min(parse_size(args.tcp_bytes), 1 << 30))
     print(f"memcpy: {memcpy['gbps']:.2f} GB/s", flush=True)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    configs = []
-    with tempfile.NamedTemporaryFile(prefix="wt-receiver-", suffix=".log", delete=False) as log:
-        log_path = Path(log.name)
-    with ReceiverProcess(args.params, log_path, args.timeout, args.torch_threads) as receiver:
-        print(f"receiver (pid {receiver.proc.pid}) on {receiver.url}; log {log_path}", flush=True)
-        for i, sync in enumerate(sync_configs(args.timeout)):
-            row = run_config(model, receiver, sync, rounds=args.rounds, seed=TRAINER_SEED + 1 + i, timeout_s=args.timeout)
-            row["ratio_to_tcp"] = row["gbps_median"] / tcp["gbps"]
-            configs.append(row)
-            print(
-                f"{sync.name}: median {row['median_s']:.3f} s, {row['gbps_median']:.2f} GB/s, "
-                f"checksum {'pass' if row['checksum']['passed'] else 'FAIL'}",
-                flush=True,
-            )
-        per_parameter = run_per_parameter(model, receiver, rounds=args.rounds, timeout_s=args.timeout)
-        per_parameter["ratio_to_tcp"] = per_parameter["gbps_median"] / tcp["gbps"]
-        print(f"per-parameter calls: median {per_parameter['median_s']:.3f} s", flush=True)
-
+    sizes = [run_size(text, args, tcp["gbps"]) for text in sizes_text]
     result = {
         "machine": {
             "python": platform.python_version(),
@@ -707,25 +895,22 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "loadavg_1min_at_end": os.getloadavg()[0],
         },
-        "model": {
-            "params": sum(p.numel() for p in params),
-            "tensors": len(params),
-            "largest_tensor_bytes": max(p.numel() * p.element_size() for p in params),
-            **vars(shape),
-        },
         "rounds": args.rounds,
         "torch_threads": torch.get_num_threads(),
         "tcp_ceiling": tcp,
         "memcpy": memcpy,
-        "configs": configs,
-        "per_parameter": per_parameter,
+        "sizes": sizes,
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    report = markdown_report(result)
+    args.out.with_suffix(".md").write_text(report)
+    plot(result, args.out.with_suffix(".png"))
     print()
-    print(markdown_table(result))
-    print(f"\nwrote {args.out}")
-    failed = [c["name"] for c in configs if not c["checksum"]["passed"]]
-    failed += [] if per_parameter["checksum_passed"] else [per_parameter["name"]]
+    print(report)
+    print(f"wrote {args.out} and its .md and .png")
+    failed = [c["name"] for s in sizes for c in s["configs"] if not c["checksum"]["passed"]]
+    failed += [w["name"] for s in sizes for w in (s["per_parameter"], s["disk"]) if not w["checksum_passed"]]
     if failed:
         print(f"CHECKSUM FAILURE: {failed}", file=sys.stderr)
         return 1
