@@ -1,0 +1,417 @@
+"""FSDP2 with 2 trainer ranks: gather + send, casting to bf16 before vs after the gather.
+
+Run from the repository root::
+
+    python benchmarks/fsdp2_gather.py --params 100M --out benchmarks/results/fsdp2_gather.json
+
+Smoke size (well under a minute)::
+
+    python benchmarks/fsdp2_gather.py --params 2M --rounds 1 --out /tmp/fsdp2-smoke.json
+
+What it measures: one ``torch_dist`` sync round of an FSDP2-sharded model
+from 2 trainer ranks (spawned processes, gloo default group, ``fully_shard``
+on every decoder layer and on the root, one torch thread each) into the
+reference receiver (a third process), over 127.0.0.1. Rank 1 only joins the
+all-gathers; rank 0 also packs and sends. Three sources, in one run:
+
+* ``bf16 cast-before-gather``: ``ModuleSource(model, dtype=torch.bfloat16)``,
+  the library's way: each local shard is cast, then all-gathered (half the
+  gather bytes).
+* ``bf16 gather-then-cast``: the baseline ``GatherThenCastSource``: the fp32
+  shard is all-gathered, then the full tensor is cast.
+* ``fp32``: ``ModuleSource(model)`` on an fp32 wire, for reference.
+
+Per source: a freshly seeded and sharded model (a new seed each, so a passing
+checksum proves the weights travelled), ``trainer_init`` on both ranks, 1
+warm-up + ``--rounds`` timed ``send_weights`` rounds, each started together
+on both ranks. Columns: median/min round seconds and median gather seconds
+(``engine.last_stats`` on rank 0; gather = time spent producing tensors:
+all-gathers and casts), bytes on the wire and all-gathered bytes per round,
+rank 1's median round, the CPU cores used by processes other than the two
+ranks, the receiver and this one (``CpuLoadMeter``), and the checksum verdict:
+the receiver's ``GET /weight_checksums`` against ``module_checksums`` of the
+gathered model rounded through the wire dtype. Also the ratios
+gather-then-cast / cast-before-gather of the round and gather medians.
+
+Output: JSON (``--out``) and a markdown table on stdout; exit status 1 if a
+checksum differs. The model and the receiver come from
+``benchmarks/transfer_throughput.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.transfer_throughput import (  # noqa: E402 - needs the repository root on sys.path
+    GB,
+    LOOPBACK,
+    TRAINER_SEED,
+    CpuLoadMeter,
+    ModelShape,
+    ReceiverProcess,
+    SyntheticLlama,
+    build_model,
+    parse_size,
+    shape_for,
+)
+from tests.support.procs import free_port, leave_group_together  # noqa: E402
+from wt_callbacks.checksums import module_checksums  # noqa: E402
+from wt_callbacks.transfer import (  # noqa: E402
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+    materialize_full_tensor,
+)
+from wt_callbacks.transfer.backends.torch_dist import DEFAULT_PACKED_BUFFER_SIZE_BYTES  # noqa: E402
+
+WORLD_SIZE = 2
+
+
+class GatherThenCastSource(ModuleSource):
+    """Baseline: all-gather each parameter in its own dtype, then cast the full tensor.
+
+    The engine calls ``with_wire_dtype(config.wire_dtype)``; the inherited
+    ``ModuleSource.with_wire_dtype`` returns this object (same dtype) or a
+    ``copy.copy`` of it, so the baseline keeps this ``__iter__``. ``run_source``
+    checks that the engine's source is still of this type.
+    """
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.module.named_parameters():
+            full = materialize_full_tensor(param.detach())
+            wire = self._wire_dtype(param)
+            yield name, full if full.dtype == wire else full.to(wire)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One measured source: its name, wire dtype, and the dtype the all-gather moves."""
+
+    name: str
+    wire: str | None
+    make_source: Callable[[torch.nn.Module], ModuleSource]
+    gather_dtype: torch.dtype
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.wire) if self.wire else None
+
+
+VARIANTS = (
+    Variant("bf16 cast-before-gather", "bfloat16", partial(ModuleSource, dtype=torch.bfloat16), torch.bfloat16),
+    Variant("bf16 gather-then-cast", "bfloat16", partial(GatherThenCastSource, dtype=torch.bfloat16), torch.float32),
+    Variant("fp32", None, ModuleSource, torch.float32),
+)
+
+
+@dataclass(frozen=True)
+class RankArgs:
+    """What every spawned rank needs (picklable)."""
+
+    params_text: str
+    rounds: int
+    timeout_s: float
+    torch_threads: int
+    pg_port: int
+    receiver_url: str
+    other_pids: tuple[int, ...]
+    rows_path: str
+
+
+# --------------------------------------------------------------------------- #
+# The trainer ranks
+# --------------------------------------------------------------------------- #
+
+
+def sharded_model(shape: ModelShape, seed: int, mesh: Any) -> torch.nn.Module:
+    """The synthetic model (identical on every rank), FSDP2-sharded per decoder layer and at the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(shape, seed)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def next_round(go: bool) -> bool:
+    """Rank 0 decides whether another round runs; a barrier too, so both ranks start it together.
+
+    Rank 1 passes ``True``: the minimum over ranks is rank 0's decision.
+    """
+    flag = torch.tensor([int(go)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def drive_rounds(engine: Any, rank: int, planned: int, tag: str) -> list[dict[str, Any]]:
+    """``send_weights`` rounds until rank 0 has run ``planned`` of them; each rank's ``last_stats``."""
+    stats: list[dict[str, Any]] = []
+    while next_round(rank != 0 or len(stats) < planned):
+        engine.send_weights(f"{tag} #{len(stats)}")
+        stats.append(asdict(engine.last_stats))
+    return stats
+
+
+def receiver_checksums(url: str, timeout_s: float) -> dict[str, str]:
+    """The receiver's ``GET /weight_checksums`` (from a rank, which has no ``ReceiverProcess``)."""
+    response = requests.get(f"{url}/weight_checksums", timeout=timeout_s)
+    response.raise_for_status()
+    return response.json()["checksums"]
+
+
+def run_source(
+    variant: Variant, seed: int, shape: ModelShape, mesh: Any, rank: int, args: RankArgs, meter_pids: list[int]
+) -> dict[str, Any]:
+    """Warm-up plus the timed rounds of one source on this rank, then the checksum check.
+
+    Returns rank 0's row (``{}`` on the other ranks). ``meter_pids``: the
+    processes of this benchmark other than this one, whose CPU time is not
+    "other load".
+    """
+    model = sharded_model(shape, seed, mesh)
+    source = variant.make_source(model)
+    client = HTTPVLLMWeightSyncClient(args.receiver_url, timeout=args.timeout_s)  # only rank 0 calls it
+    try:
+        engine = WeightTransferTrainerFactory.trainer_init(
+            "torch_dist",
+            {"dtype": variant.wire, "timeout_s": args.timeout_s},
+            {"master_address": LOOPBACK, "master_port": 0, "rank": rank},
+            client=client,
+            source=source,
+        )
+        try:
+            if type(engine.source) is not type(source):
+                raise TypeError(f"{variant.name}: the engine replaced the source by {type(engine.source).__name__}")
+            drive_rounds(engine, rank, 1, f"{variant.name} warm-up")
+            with CpuLoadMeter(*meter_pids) as load:
+                stats = drive_rounds(engine, rank, args.rounds, variant.name)
+        finally:
+            engine.shutdown()
+    finally:
+        client.close()
+    expected = module_checksums(model, via_dtype=variant.wire_dtype)  # all-gathers: every rank
+    per_rank: list[Any] = [None] * WORLD_SIZE
+    dist.all_gather_object(per_rank, stats)
+    if rank != 0:
+        return {}
+    got = receiver_checksums(args.receiver_url, args.timeout_s)
+    mismatched = sorted(n for n in expected if got.get(n) != expected[n]) + sorted(set(got) - set(expected))
+    seconds = [s["seconds"] for s in stats]
+    return {
+        "name": variant.name,
+        "wire": variant.wire or "float32",
+        "gather_dtype": str(variant.gather_dtype).removeprefix("torch."),
+        "source": type(source).__name__,
+        "rounds": stats,
+        "median_s": statistics.median(seconds),
+        "min_s": min(seconds),
+        "median_gather_s": statistics.median(s["gather_seconds"] for s in stats),
+        "min_gather_s": min(s["gather_seconds"] for s in stats),
+        "bytes": stats[-1]["bytes"],
+        "gathered_bytes": sum(p.numel() for p in model.parameters()) * variant.gather_dtype.itemsize,
+        "rank1_median_s": statistics.median(s["seconds"] for s in per_rank[1]),
+        "rank1_median_gather_s": statistics.median(s["gather_seconds"] for s in per_rank[1]),
+        "other_cpu_cores": load.other_cores,
+        "checksum": {"passed": not mismatched, "mismatched": len(mismatched), "first_mismatched": mismatched[:5]},
+    }
+
+
+def rank_main(rank: int, args: RankArgs) -> None:
+    """One trainer rank: every source in turn; rank 0 writes the rows to ``args.rows_path``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{LOOPBACK}:{args.pg_port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=args.timeout_s),
+    )
+    try:
+        pids: list[Any] = [None] * WORLD_SIZE
+        dist.all_gather_object(pids, os.getpid())
+        meter_pids = [*args.other_pids, *(pid for r, pid in enumerate(pids) if r != rank)]
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        shape = shape_for(parse_size(args.params_text))
+        rows = [
+            run_source(v, TRAINER_SEED + 1 + i, shape, mesh, rank, args, meter_pids) for i, v in enumerate(VARIANTS)
+        ]
+        if rank == 0:
+            Path(args.rows_path).write_text(json.dumps(rows))
+    finally:
+        leave_group_together()
+
+
+# --------------------------------------------------------------------------- #
+# The driver
+# --------------------------------------------------------------------------- #
+
+
+def run_ranks(args: RankArgs, budget_s: float) -> None:
+    """Spawn the ranks and wait at most ``budget_s``; on timeout kill them by PID and raise.
+
+    A rank that fails makes ``join`` terminate the other one and raise.
+    """
+    context = mp.start_processes(rank_main, args=(args,), nprocs=WORLD_SIZE, join=False, start_method="spawn")
+    deadline = time.monotonic() + budget_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the trainer ranks did not finish within {budget_s:g} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+
+
+def ratio(rows: list[dict[str, Any]], key: str, num: str, den: str) -> float:
+    """``rows[num][key] / rows[den][key]``, rows looked up by name."""
+    by_name = {r["name"]: r for r in rows}
+    return by_name[num][key] / by_name[den][key]
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """One row per source, then the gather-then-cast / cast-before-gather ratios."""
+    m = result["model"]
+    lines = [
+        f"FSDP2, {WORLD_SIZE} ranks, synthetic Llama fp32: {m['params'] / 1e6:.1f}M params (hidden {m['hidden']}, "
+        f"{m['layers']} layers, vocab {m['vocab']}, {m['tensors']} tensors); {result['rounds']} timed rounds after "
+        f"1 warm-up; {result['torch_threads']} torch thread(s) per process; load average "
+        f"{result['machine']['loadavg_before'][0]:.2f} before, {result['machine']['loadavg_after'][0]:.2f} after.",
+        "",
+        "| source | wire MB | gathered MB | median s | min s | wire GB/s | median gather s | min gather s "
+        "| rank 1 median s | checksum | other load (cores) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['name']} | {r['bytes'] / 1e6:.0f} | {r['gathered_bytes'] / 1e6:.0f} | {r['median_s']:.3f} | "
+            f"{r['min_s']:.3f} | {r['bytes'] / r['median_s'] / GB:.2f} | {r['median_gather_s']:.3f} | "
+            f"{r['min_gather_s']:.3f} | {r['rank1_median_s']:.3f} | "
+            f"{'pass' if r['checksum']['passed'] else 'FAIL'} | {r['other_cpu_cores']:.2f} |"
+        )
+    q = result["ratios"]
+    lines += [
+        "",
+        f"gather-then-cast / cast-before-gather: round {q['round_gather_then_cast_over_cast_before_gather']:.2f}x, "
+        f"gather {q['gather_gather_then_cast_over_cast_before_gather']:.2f}x",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", default="100M", help="target parameter count, e.g. 100M or 2M (default 100M)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per source (default 5)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks/results/fsdp2_gather.json")
+    parser.add_argument("--timeout", type=float, default=120.0, help="bound in seconds on every wait")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="intra-op threads of each rank and of the receiver (default 1: three processes share the "
+        "machine; 0 keeps torch's default)",
+    )
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+
+    shape = shape_for(parse_size(args.params))
+    with torch.device("meta"):
+        params = list(SyntheticLlama(shape).parameters())
+    print(f"model: {sum(p.numel() for p in params) / 1e6:.1f}M params, {shape}", flush=True)
+    loadavg_before = os.getloadavg()
+    print(f"load average before: {loadavg_before}", flush=True)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="wt-fsdp2-") as tmp:
+        log_path = Path(tmp) / "receiver.log"
+        with ReceiverProcess(args.params, log_path, args.timeout, args.torch_threads) as receiver:
+            print(f"receiver (pid {receiver.proc.pid}) on {receiver.url}", flush=True)
+            rank_args = RankArgs(
+                params_text=args.params,
+                rounds=args.rounds,
+                timeout_s=args.timeout,
+                torch_threads=args.torch_threads,
+                pg_port=free_port(),
+                receiver_url=receiver.url,
+                other_pids=(receiver.proc.pid, os.getpid()),
+                rows_path=str(Path(tmp) / "rows.json"),
+            )
+            # Each rank's waits are bounded by --timeout; this bounds the whole run
+            # generously: every round, model build and checksum pass may take one.
+            budget_s = args.timeout * (len(VARIANTS) * (args.rounds + 4) + 2)
+            try:
+                run_ranks(rank_args, budget_s)
+            except BaseException:
+                print(f"receiver log:\n{log_path.read_text()[-3000:]}", file=sys.stderr)
+                raise
+        rows = json.loads(Path(rank_args.rows_path).read_text())
+
+    result = {
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_before": loadavg_before,
+            "loadavg_after": os.getloadavg(),
+        },
+        "model": {
+            "params": sum(p.numel() for p in params),
+            "tensors": len(params),
+            "largest_tensor_bytes": max(p.numel() * p.element_size() for p in params),
+            **vars(shape),
+        },
+        "world_size": WORLD_SIZE,
+        "rounds": args.rounds,
+        "torch_threads": args.torch_threads,
+        "packed_buffer_size_bytes": DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        "rows": rows,
+        "ratios": {
+            "round_gather_then_cast_over_cast_before_gather": ratio(
+                rows, "median_s", "bf16 gather-then-cast", "bf16 cast-before-gather"
+            ),
+            "gather_gather_then_cast_over_cast_before_gather": ratio(
+                rows, "median_gather_s", "bf16 gather-then-cast", "bf16 cast-before-gather"
+            ),
+        },
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print()
+    print(markdown_table(result))
+    print(f"\nwrote {args.out}")
+    failed = [r["name"] for r in rows if not r["checksum"]["passed"]]
+    if failed:
+        print(f"CHECKSUM FAILURE: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
