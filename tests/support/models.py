@@ -50,3 +50,10 @@ def many_tensors(seed: int = RECEIVER_SEED) -> nn.Module:
     """300 small tensors: where one collective per tensor hurts."""
     torch.manual_seed(seed)
     return nn.Sequential(*[nn.Linear(16, 16) for _ in range(150)])
+
+
+def ring_overflow(seed: int = RECEIVER_SEED) -> nn.Module:
+    """One 18.9 MB fp32 weight: larger than the whole shm ring (16 MiB), so it
+    streams through every slot more than once."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 16), nn.Linear(2048, 2304))

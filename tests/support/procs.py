@@ -70,12 +70,17 @@ def start_receiver(
     extra_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
     timeout_s: float = 60.0,
+    wrapper: tuple[str, ...] = (),
 ) -> ReceiverProcess:
-    """Start ``python -m wt_callbacks.receiver`` and wait for its URL line."""
+    """Start ``python -m wt_callbacks.receiver`` and wait for its URL line.
+
+    ``wrapper``: a command that execs its arguments in the same process (e.g.
+    ``unshare``), so the PID is still the receiver's.
+    """
     child_env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     child_env.update(env or {})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "wt_callbacks.receiver", "--port", str(port), *extra_args]
+        [*wrapper, sys.executable, "-m", "wt_callbacks.receiver", "--port", str(port), *extra_args]
         + (["--module-factory", factory] if factory else []),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
