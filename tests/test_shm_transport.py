@@ -1,0 +1,287 @@
+"""torch_dist's shm transport end to end: a trainer streams through /dev/shm into receiver processes.
+
+Checksums are sha256 per parameter, so "equal" means bitwise equal. Every
+test also checks that no ring file of ours is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+import torch
+
+from tests.support import models
+from wt_callbacks.checksums import module_checksums
+from wt_callbacks.transfer import (
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    ParamMeta,
+    WeightSource,
+    WeightTransferError,
+    WeightTransferTrainerFactory,
+)
+from wt_callbacks.transfer.backends.torch_dist import (
+    HEARTBEAT_TIMEOUT_S,
+    SHM_DIR,
+    SHM_NAME_PREFIX,
+    SHM_SLOT_BYTES,
+    SHM_SLOTS,
+)
+
+TIMEOUT_S = 30.0
+LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
+
+# A mount namespace with a fresh tmpfs on /dev/shm: the receiver sees its own,
+# empty /dev/shm, as in a container without --ipc=host. It is a simulation
+# only in that the "container" is a namespace set up here; the failure is the
+# real one (the ring's path does not exist for that process).
+PRIVATE_SHM = (
+    "unshare", "--user", "--map-root-user", "--mount",
+    "sh", "-c", f'mount -t tmpfs tmpfs {SHM_DIR} && exec "$0" "$@"',
+)  # fmt: skip
+
+
+def ring_files() -> set[str]:
+    return set(glob.glob(os.path.join(SHM_DIR, SHM_NAME_PREFIX + "*")))
+
+
+@pytest.fixture(autouse=True)
+def no_ring_left_behind():
+    before = ring_files()
+    yield
+    # A rendezvous the trainer gave up on unlinks on its own thread: bounded wait.
+    deadline = time.monotonic() + TIMEOUT_S
+    while ring_files() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not ring_files() - before
+
+
+@pytest.fixture
+def private_shm():
+    """The ``wrapper`` that starts a receiver with its own /dev/shm."""
+    probe = subprocess.run([*PRIVATE_SHM, "true"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"user/mount namespaces unavailable here: {probe.stderr.decode().strip()}")
+    return PRIVATE_SHM
+
+
+def receiver_checksums(url: str) -> dict[str, str]:
+    return requests.get(f"{url}/weight_checksums", timeout=30).json()["checksums"]
+
+
+def connect(urls, source: WeightSource, **config):
+    client = HTTPVLLMWeightSyncClient(urls, timeout=TIMEOUT_S)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        "torch_dist", {"timeout_s": TIMEOUT_S, **config}, LOCAL, client=client, source=source
+    )
+    return client, engine
+
+
+@pytest.mark.parametrize(
+    ("factory", "config"),
+    [
+        pytest.param("mixed_model", {}, id="packed-default"),
+        pytest.param("mixed_model", {"packed": False}, id="unpacked"),
+        pytest.param("mixed_model", {"packed_buffer_size_bytes": 4096}, id="many-small-chunks"),
+        pytest.param("ring_overflow", {}, id="tensor-larger-than-ring-packed"),
+        pytest.param("ring_overflow", {"packed": False}, id="tensor-larger-than-ring-unpacked"),
+    ],
+)
+def test_arrives_bitwise(receiver_proc, factory, config):
+    receiver = receiver_proc(f"tests.support.models:{factory}")
+    model = getattr(models, factory)(seed=0)
+    if factory == "ring_overflow":
+        assert max(p.numel() * p.element_size() for p in model.parameters()) > SHM_SLOTS * SHM_SLOT_BYTES
+    client, engine = connect(receiver.url, ModuleSource(model), transport="shm", **config)
+    try:
+        assert engine.group.transport == "shm"
+        for version in ("v1", "v2"):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.5)
+            engine.send_weights(version)
+            assert receiver_checksums(receiver.url) == module_checksums(model)
+        assert client.weight_info()[0]["version_history"] == ["v1", "v2"]
+    finally:
+        engine.shutdown()
+
+
+def test_bf16_wire(receiver_proc):
+    receiver = receiver_proc("tests.support.models:ring_overflow")
+    model = models.ring_overflow(seed=0)
+    client, engine = connect(receiver.url, ModuleSource(model), transport="shm", dtype="bfloat16")
+    try:
+        engine.send_weights("bf16")
+        assert receiver_checksums(receiver.url) == module_checksums(model, via_dtype=torch.bfloat16)
+        assert engine.last_stats.bytes == sum(p.numel() * 2 for p in model.parameters())
+    finally:
+        engine.shutdown()
+
+
+def test_one_round_reaches_two_receivers(receiver_proc):
+    first, second = receiver_proc("tests.support.models:ring_overflow"), receiver_proc("tests.support.models:ring_overflow")
+    model = models.ring_overflow(seed=0)
+    client, engine = connect([first.url, second.url], ModuleSource(model), transport="shm", packed_buffer_size_bytes=1 << 20)
+    try:
+        assert engine.worker_init_info["world_size"] == 3 and engine.group.transport == "shm"
+        engine.send_weights("fan-out")
+        assert receiver_checksums(first.url) == receiver_checksums(second.url) == module_checksums(model)
+    finally:
+        engine.shutdown()
+
+
+def test_auto_on_loopback_uses_shm_and_unlinks_the_ring_once_mapped(receiver_proc):
+    receiver = receiver_proc()
+    model = models.tiny_mlp(seed=0)
+    before = ring_files()
+    client, engine = connect(receiver.url, ModuleSource(model))  # transport: auto
+    try:
+        assert engine.worker_init_info["transport"] == "shm"
+        assert engine.group.transport == "shm"
+        # Every rank mapped the ring, so its file is already gone: a crash from
+        # here on cannot leak it.
+        assert ring_files() == before
+        engine.send_weights("auto")
+        assert receiver_checksums(receiver.url) == module_checksums(model)
+    finally:
+        engine.shutdown()
+    receiver.stop()
+    assert ring_files() == before
+
+
+def test_auto_falls_back_to_gloo_when_a_worker_cannot_map_the_ring(receiver_proc, private_shm, caplog):
+    shared = receiver_proc()
+    isolated = receiver_proc(wrapper=private_shm)
+    model = models.tiny_mlp(seed=0)
+    with caplog.at_level(logging.WARNING, logger="wt_callbacks.transfer.backends.torch_dist"):
+        client, engine = connect([shared.url, isolated.url], ModuleSource(model))
+    try:
+        assert engine.worker_init_info["transport"] == "shm"
+        assert engine.group.transport == "gloo"
+        assert "shared-memory ring unavailable (rank 2 cannot: " in caplog.text
+        assert "every rank uses gloo broadcasts" in caplog.text
+        engine.send_weights("fallback")
+        expected = module_checksums(model)
+        assert receiver_checksums(shared.url) == receiver_checksums(isolated.url) == expected
+    finally:
+        engine.shutdown()
+
+
+def test_explicit_shm_that_a_worker_cannot_map_names_the_fix(receiver_proc, private_shm):
+    isolated = receiver_proc(wrapper=private_shm)
+    model = models.tiny_mlp(seed=0)
+    start = time.monotonic()
+    with pytest.raises(WeightTransferError, match=r"transport='shm' needs every inference worker .*transport='gloo'") as failure:
+        connect(isolated.url, ModuleSource(model), transport="shm")
+    assert "run the servers on the trainer's host" in str(failure.value).lower()
+    assert time.monotonic() - start < TIMEOUT_S
+    # The worker left the half-formed group: gloo works right away.
+    client, engine = connect(isolated.url, ModuleSource(model), transport="gloo")
+    engine.send_weights("gloo")
+    engine.shutdown()
+    assert receiver_checksums(isolated.url) == module_checksums(model)
+
+
+class _KillingSource(WeightSource):
+    """Calls ``kill`` after ``after`` tensors, mid-round."""
+
+    def __init__(self, model: torch.nn.Module, kill, after: int = 30) -> None:
+        self.inner = ModuleSource(model)
+        self.kill = kill
+        self.after = after
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.inner.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(self.inner):
+            if i == self.after:
+                self.kill()
+            yield item
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_receiver_killed_mid_round_raises_within_timeout_then_a_new_receiver_syncs(receiver_proc, packed):
+    receiver = receiver_proc("tests.support.models:many_tensors")
+    model = models.many_tensors(seed=0)
+    timeout_s = 15.0
+    client, engine = connect(
+        receiver.url, _KillingSource(model, receiver.kill), transport="shm", packed=packed,
+        packed_buffer_size_bytes=4096, timeout_s=timeout_s,
+    )  # fmt: skip
+    start = time.monotonic()
+    with pytest.raises(WeightTransferError):
+        engine.send_weights("doomed")
+    assert time.monotonic() - start < timeout_s
+    engine.shutdown()
+
+    fresh = receiver_proc("tests.support.models:many_tensors")
+    client, engine = connect(fresh.url, ModuleSource(model), transport="shm")
+    engine.send_weights("after-crash")
+    engine.shutdown()
+    assert receiver_checksums(fresh.url) == module_checksums(model)
+
+
+class _StallingSource(WeightSource):
+    """Yields ``after`` tensors, sets ``stalled``, then blocks: the trainer is mid-round."""
+
+    def __init__(self, model: torch.nn.Module, stalled, after: int) -> None:
+        self.inner = ModuleSource(model)
+        self.stalled = stalled
+        self.after = after
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.inner.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(self.inner):
+            if i == self.after:
+                self.stalled.set()
+                time.sleep(3600)
+            yield item
+
+
+def _trainer_until_killed(url: str, stalled, timeout_s: float) -> None:
+    model = models.many_tensors(seed=0)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        "torch_dist", {"timeout_s": timeout_s, "transport": "shm", "packed_buffer_size_bytes": 4096}, LOCAL,
+        client=HTTPVLLMWeightSyncClient(url, timeout=timeout_s), source=_StallingSource(model, stalled, after=100),
+    )  # fmt: skip
+    engine.send_weights("never")
+
+
+def test_trainer_killed_mid_round_fails_the_update_within_the_heartbeat_window(receiver_proc):
+    receiver = receiver_proc("tests.support.models:many_tensors")
+    before = receiver_checksums(receiver.url)
+    timeout_s = 120.0
+    ctx = multiprocessing.get_context("spawn")
+    stalled = ctx.Event()
+    trainer = ctx.Process(target=_trainer_until_killed, args=(receiver.url, stalled, timeout_s), daemon=True)
+    trainer.start()
+    try:
+        assert stalled.wait(60), "the trainer never got mid-round"
+        # The receiver has taken the first chunks and waits in the ring for the next.
+        os.kill(trainer.pid, signal.SIGKILL)
+        killed = time.monotonic()
+    finally:
+        trainer.join(timeout=10)
+        if trainer.is_alive():
+            os.kill(trainer.pid, signal.SIGKILL)
+    # This call queues behind the update in progress: it returns once the
+    # receiver gave up on the dead trainer.
+    response = requests.post(f"{receiver.url}/shutdown_weight_transfer_engine", timeout=timeout_s)
+    waited = time.monotonic() - killed
+    assert response.status_code == 200, response.text
+    assert waited < HEARTBEAT_TIMEOUT_S + 10 < timeout_s
+    assert "the trainer's heartbeat stopped" in receiver.log
+    assert receiver_checksums(receiver.url) == before
+    assert requests.get(f"{receiver.url}/weight_info", timeout=30).json()["updates_completed"] == 0
