@@ -29,7 +29,7 @@ from wt_callbacks.transfer import (
     WeightTransferError,
     WeightTransferTrainerFactory,
 )
-from wt_callbacks.transfer.backends.torch_dist import (
+from wt_callbacks.transfer.backends.shm_ring import (
     HEARTBEAT_TIMEOUT_S,
     SHM_DIR,
     SHM_NAME_PREFIX,

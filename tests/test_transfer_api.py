@@ -35,7 +35,7 @@ from wt_callbacks.transfer.backends.torch_dist import (
 )
 from wt_callbacks.transfer.base import finish_with_version
 from wt_callbacks.transfer.clients import assign_rank_offsets
-from wt_callbacks.transfer.packing import plan_chunks
+from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks
 from wt_callbacks.receiver import _host_config
 
 LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
@@ -198,6 +198,34 @@ def test_chunk_closes_after_the_tensor_that_exceeds_the_buffer():
     assert plan_chunks([], 8) == []
     with pytest.raises(ValueError, match="packed_buffer_size_bytes must be > 0"):
         plan_chunks([1], 0)
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_unpacked_parts_make_the_packed_chunks_within_the_buffer_bound(num_buffers):
+    """A transport that broadcasts parts gets the same chunks as the packer
+    would send, and never more than num_buffers chunks are held at a time."""
+    tensors = [torch.full((n,), float(i)) for i, n in enumerate([3, 5, 0, 2, 9, 1, 4])]
+    nbytes = [t.numel() * 4 for t in tensors]
+    chunks, held, peak = [], set(), [0]
+
+    def broadcast_parts(parts):
+        chunks.append(torch.cat([p.view(torch.uint8) for p in parts]))
+        held.add(len(chunks))
+        return len(chunks)
+
+    def wait(work):
+        held.discard(work)
+
+    def gen():
+        for t in tensors:
+            peak[0] = max(peak[0], len(held) + 1)  # + the chunk being collected
+            yield t
+
+    sent = broadcast_packed(gen(), buffer_size_bytes=16, num_buffers=num_buffers, broadcast=None, wait=wait,
+                            broadcast_parts=broadcast_parts)  # fmt: skip
+    assert sent == sum(nbytes) and not held and peak[0] <= num_buffers
+    expected = [torch.cat([tensors[i].view(torch.uint8) for i in chunk]) for chunk in plan_chunks(nbytes, 16)]
+    assert len(chunks) == len(expected) and all(torch.equal(a, b) for a, b in zip(chunks, expected))
 
 
 # --------------------------------------------------------------------------- #

@@ -14,17 +14,21 @@ exceed the buffer by up to its last tensor; a tensor larger than the buffer
 forms (the end of) a chunk of its own.
 
 The functions here are transport-agnostic: they take ``broadcast(tensor) ->
-work`` and ``wait(work)`` callables.
+work`` and ``wait(work)`` callables. A transport that can send several
+tensors as one message (``broadcast_parts(tensors) -> work``, the shared-
+memory ring) gets each chunk's tensors as they are instead: no pack copy.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 Broadcast = Callable[[torch.Tensor], Any]
+BroadcastParts = Callable[[list[torch.Tensor]], Any]
 Wait = Callable[[Any], None]
 
 
@@ -67,6 +71,7 @@ def broadcast_packed(
     capacity_hint: Sequence[int] | None = None,
     device: torch.device | str = "cpu",
     buffers: list[torch.Tensor] | None = None,
+    broadcast_parts: BroadcastParts | None = None,
 ) -> int:
     """Sender side: pack ``tensors`` into chunks and broadcast each one.
 
@@ -83,9 +88,17 @@ def broadcast_packed(
 
     Peak extra memory: the ``num_buffers`` buffers (each at most
     ``buffer_size_bytes`` + the largest tensor) plus the tensor being copied.
+
+    ``broadcast_parts``: when given, each chunk goes out as the list of its
+    tensors (same chunks, same bytes on the wire) and no buffer is used;
+    see ``stream_parts``.
     """
     if num_buffers < 1:
         raise ValueError(f"packed_num_buffers must be >= 1, got {num_buffers}")
+    if broadcast_parts is not None:
+        return stream_parts(
+            tensors, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, broadcast_parts=broadcast_parts, wait=wait
+        )
     capacities = list(capacity_hint) if capacity_hint else [buffer_size_bytes] * num_buffers
     cache: list[torch.Tensor] = buffers if buffers is not None else []
     in_flight: list[Any] = [None] * num_buffers
@@ -128,6 +141,45 @@ def broadcast_packed(
     for work in in_flight:
         if work is not None:
             wait(work)
+    return sent
+
+
+def stream_parts(
+    tensors: Iterable[torch.Tensor],
+    *,
+    buffer_size_bytes: int,
+    num_buffers: int,
+    broadcast_parts: BroadcastParts,
+    wait: Wait,
+) -> int:
+    """Sender side without packing: each chunk is broadcast as its tensors.
+
+    Same chunk cut as ``broadcast_packed``, so receivers see the same
+    chunks. A chunk's tensors are held until its broadcast completed, and
+    at most ``num_buffers`` chunks are held at a time (the one being
+    collected included), so the memory bound is that of the buffers; for a
+    plain module the tensors are the parameters themselves and cost nothing.
+    Returns the number of bytes sent.
+    """
+    in_flight: deque[Any] = deque()
+    parts: list[torch.Tensor] = []
+    fill = sent = 0
+    for tensor in tensors:
+        data = _as_bytes(tensor)
+        parts.append(data)
+        fill += data.numel()
+        del data, tensor
+        if fill > buffer_size_bytes:
+            in_flight.append(broadcast_parts(parts))
+            sent += fill
+            parts, fill = [], 0
+            if len(in_flight) >= num_buffers:
+                wait(in_flight.popleft())
+    if fill:  # a rest of zero-size tensors only is not sent, as in broadcast_packed
+        in_flight.append(broadcast_parts(parts))
+        sent += fill
+    while in_flight:
+        wait(in_flight.popleft())
     return sent
 
 

@@ -1,0 +1,469 @@
+"""Shared-memory ring: the ``shm`` transport of ``torch_dist`` on one host.
+
+Loopback TCP is CPU-bound: the kernel copies every byte on send and again on
+receive, and those copies compete with packing and loading for the same
+cores. Through a ring of slots in ``/dev/shm`` a byte is copied once into
+shared memory by the trainer and once out of it by each worker, on both
+sides in parallel.
+
+The ring rides on a formed ``torch_dist`` group: rank 0 creates and maps the
+file and offers it through the rendezvous store (``offer_ring``); every
+worker maps it and reports (``join_ring``); rank 0 unlinks the file and
+decides for every rank whether the ring is used, broadcasts fall back to
+gloo, or the group fails naming the fix. ``ShmRing`` then streams the
+broadcasts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import datetime
+import json
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from wt_callbacks.transfer.base import WeightTransferError
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SHM_NAME_PREFIX = "wt_callbacks-ring-"
+"""Ring files are ``SHM_DIR/SHM_NAME_PREFIX<random token>``; each exists only
+while the ranks map it (rank 0 unlinks it as soon as every rank reported)."""
+SHM_SLOTS = 4
+SHM_SLOT_BYTES = 4 * 1024 * 1024
+"""The ring: ``SHM_SLOTS`` slots of ``SHM_SLOT_BYTES`` (16 MiB in all).
+
+Four slots let the trainer fill one slot while the workers empty the others,
+so neither side waits on the other's copy of a single piece; 4 MiB pieces
+make the per-piece cost (a few Python calls and one poll) negligible next to
+the copy (~1 ms). The ring adds to the trainer's memory on top of the packed
+bound (``packed_num_buffers`` x bucket + the largest tensor, with 1.25x
+allowance), so it is kept small: 16 MiB is 12% of the default 2 x 64 MiB."""
+HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_TIMEOUT_S = 10.0
+"""A worker waiting for data fails if the trainer's heartbeat (bumped every
+``HEARTBEAT_INTERVAL_S`` by a thread on rank 0) stood still this long: a
+killed trainer would otherwise leave the server stuck in ``update_weights``
+for ``timeout_s`` (300 s by default), since a dead process sets no abort
+flag. 20 missed beats: a trainer whose Python threads starve for 10 s is
+treated as dead."""
+
+
+
+_FENCE_LOCK = threading.Lock()
+
+
+def _fence() -> None:
+    """Order every memory access before this call before every access after it.
+
+    Ring data and the sequence numbers that publish it are plain stores into
+    memory another process reads. x86 keeps stores in order (TSO); AArch64
+    does not, so without a barrier a worker could see a slot's new sequence
+    number before the bytes it publishes (or the trainer see a slot freed
+    before the worker finished reading it) and copy stale data. Python has
+    no fence instruction; a lock's acquire and release are atomic
+    read-modify-writes (glibc: a compare-and-swap with acquire semantics, an
+    atomic add with release semantics). On x86 each is a LOCK-prefixed
+    instruction, a full barrier. On AArch64 a single acquire/release pair
+    lets plain accesses on either side slip into it, but a release followed
+    by an acquire stays ordered (ARMv8's acquire/release are RCsc), so two
+    rounds order everything before the first release before everything
+    after the second acquire.
+    """
+    for _ in range(2):
+        _FENCE_LOCK.acquire()
+        _FENCE_LOCK.release()
+
+
+class _ShmWork:
+    """Handle of one ring broadcast, with the two methods callers use
+    (``is_completed`` to poll, ``wait`` to collect the outcome), as gloo's
+    ``Work``. Errors are ``WeightTransferError`` (a ``RuntimeError``, which
+    is what callers of gloo's ``wait`` catch)."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        # Kept until the stream is done with them: the caller may drop its
+        # own references (a gathered FSDP tensor) right after issuing.
+        self.parts: list[torch.Tensor] | None = parts
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> bool:
+        # Unbounded here because the streaming thread bounds every wait of a
+        # piece (timeout_s, abort flag, heartbeat) and ``close`` fails every
+        # work still queued: the event is always set.
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self.parts = None
+        self._done.set()
+
+
+_ABORT, _HEARTBEAT, _HELLO = 0, 1, 2
+
+
+def _ring_layout(world_size: int, slots: int, slot_bytes: int) -> tuple[int, int, int]:
+    """``(header words, header bytes, file bytes)``: header words are the abort
+    flag, the heartbeat, one hello word per rank, per slot its piece's seq and
+    length, and per worker per slot its done seq. The header is padded to a
+    page so slots start page-aligned."""
+    words = 2 + world_size + 2 * slots + (world_size - 1) * slots
+    header_bytes = -(-words * 8 // 4096) * 4096
+    return words, header_bytes, header_bytes + slots * slot_bytes
+
+
+class ShmRing:
+    """Broadcasts from rank 0 through a ring of slots in shared memory.
+
+    Piece ``seq`` (1, 2, ...: every broadcast cut into pieces of at most
+    ``slot_bytes``, in the order the broadcasts were issued, which is the
+    same on every rank) travels in slot ``(seq - 1) % slots``. The trainer
+    fills that slot once every worker's done word for it reached ``seq -
+    slots`` (the piece it held before), then publishes the piece by storing
+    ``seq`` in the slot's ready word; a worker waits for that, copies the
+    piece out and stores ``seq`` in its own done word. Each word has one
+    writer, so plain 8-byte stores suffice, with ``_fence`` ordering them
+    against the data they publish or release.
+
+    One thread per rank streams the broadcasts; ``ctypes.memmove`` releases
+    the GIL, so the trainer packs its next chunk while its thread copies the
+    previous one in, and the workers copy out at the same time. Single-
+    threaded copies on purpose: ``torch``'s ``copy_`` would split each piece
+    over every intra-op thread, from each calling thread, oversubscribing the
+    cores trainer and servers share on one host.
+
+    Every wait polls with a backoff from 20 us to 1 ms (never a hot spin:
+    the peer needs the core) and is bounded by ``timeout_s``, by the abort
+    flag that ``close`` sets on any rank (so a peer waiting on a rank that
+    left fails at once, like gloo's abort), and on the workers by the
+    trainer's heartbeat (``HEARTBEAT_TIMEOUT_S``).
+    """
+
+    def __init__(self, mem: torch.Tensor, *, rank: int, world_size: int, slots: int, slot_bytes: int,
+                 timeout_s: float) -> None:  # fmt: skip
+        words, header_bytes, nbytes = _ring_layout(world_size, slots, slot_bytes)
+        if mem.numel() != nbytes:
+            raise ValueError(f"the ring mapping has {mem.numel()} bytes, the layout needs {nbytes}")
+        self.mem = mem  # owns the mapping the raw pointers below point into
+        self.rank, self.world_size = rank, world_size
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self.timeout_s = timeout_s
+        self.words = (ctypes.c_int64 * words).from_address(mem.data_ptr())
+        self._first_slot = mem.data_ptr() + header_bytes
+        self._ready = 2 + world_size
+        self._length = self._ready + slots
+        self._done = self._length + slots
+        self._seq = 0
+        self._broken: str | None = None
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[_ShmWork | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._stream, name=f"wt-shm-rank{rank}", daemon=True)]
+        if rank == 0:
+            self._threads.append(threading.Thread(target=self._beat, name="wt-shm-heartbeat", daemon=True))
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def broadcast(self, tensor: torch.Tensor) -> _ShmWork:
+        return self.broadcast_parts([tensor])
+
+    def broadcast_parts(self, parts: list[torch.Tensor]) -> _ShmWork:
+        """One broadcast whose bytes are those of ``parts``, back to back.
+
+        The receivers cannot tell it from a broadcast of one tensor holding
+        the concatenation, so the trainer can send a packed chunk without
+        packing it: the ring copies straight from the parameters, and a
+        byte is copied once on the trainer instead of twice.
+        """
+        for tensor in parts:
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError(
+                    f"the shm transport broadcasts contiguous CPU tensors, got a "
+                    f"{'' if tensor.is_contiguous() else 'non-contiguous '}tensor on {tensor.device}"
+                )
+        work = _ShmWork(parts)
+        with self._lock:
+            if self._closed.is_set():
+                work._finish(WeightTransferError("the transfer group was shut down"))
+            elif all(tensor.numel() == 0 for tensor in parts):
+                work._finish()
+            else:
+                self._jobs.put(work)
+        return work
+
+    def close(self) -> None:
+        """Set the abort flag, stop the threads, fail every queued broadcast."""
+        self.words[_ABORT] = 1
+        with self._lock:
+            self._closed.set()
+            self._jobs.put(None)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout=10)
+        while True:
+            try:
+                work = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if work is not None:
+                work._finish(WeightTransferError("the transfer group was shut down"))
+
+    def _stream(self) -> None:
+        copy = self._send if self.rank == 0 else self._receive
+        while (work := self._jobs.get()) is not None:
+            if self._closed.is_set() and self._broken is None:
+                self._broken = "the transfer group was shut down"
+            if self._broken is not None:
+                # The stream is out of step after a failed piece: every later
+                # broadcast would read or overwrite the wrong bytes.
+                work._finish(WeightTransferError(self._broken))
+                continue
+            try:
+                assert work.parts is not None
+                copy(work.parts)
+            except Exception as e:  # noqa: BLE001 - handed to the waiting caller
+                self._broken = str(e)
+                work._finish(e)
+            else:
+                work._finish()
+
+    def _pieces(self, parts: list[torch.Tensor]) -> Iterator[tuple[int, int, int, list[tuple[int, int, int]]]]:
+        """``(seq, slot, piece size, segments)`` of each piece of the parts'
+        bytes taken as one stream cut every ``slot_bytes``; a segment is
+        ``(part address, offset in the slot, size)``. The cut depends only
+        on the total, so a sender's many parts and a receiver's one buffer
+        agree on every piece."""
+        segments: list[tuple[int, int, int]] = []
+        fill = 0
+        for part in parts:
+            base, nbytes = part.data_ptr(), part.numel() * part.element_size()
+            offset = 0
+            while offset < nbytes:
+                size = min(self.slot_bytes - fill, nbytes - offset)
+                segments.append((base + offset, fill, size))
+                fill += size
+                offset += size
+                if fill == self.slot_bytes:
+                    yield from self._piece(segments, fill)
+                    segments, fill = [], 0
+        if fill:
+            yield from self._piece(segments, fill)
+
+    def _piece(self, segments: list[tuple[int, int, int]], size: int) -> Iterator[tuple[int, int, int, list[tuple[int, int, int]]]]:
+        seq = self._seq + 1
+        yield seq, (seq - 1) % self.slots, size, segments
+        self._seq = seq
+
+    def _send(self, parts: list[torch.Tensor]) -> None:
+        words = self.words
+        for seq, slot, size, segments in self._pieces(parts):
+            done = range(self._done + slot, self._done + (self.world_size - 1) * self.slots, self.slots)
+            free = seq - self.slots
+            self._wait_until(lambda: all(words[i] >= free for i in done), "every worker to free a ring slot")
+            slot_address = self._first_slot + slot * self.slot_bytes
+            for address, offset, n in segments:
+                ctypes.memmove(slot_address + offset, address, n)
+            words[self._length + slot] = size
+            _fence()
+            words[self._ready + slot] = seq
+
+    def _receive(self, parts: list[torch.Tensor]) -> None:
+        words = self.words
+        done = self._done + (self.rank - 1) * self.slots
+        for seq, slot, size, segments in self._pieces(parts):
+            self._wait_until(lambda: words[self._ready + slot] == seq, "the trainer's next piece")
+            if words[self._length + slot] != size:
+                raise WeightTransferError(
+                    f"the trainer sent a piece of {words[self._length + slot]} bytes where this worker "
+                    f"expected {size}: trainer and worker disagree on the tensors of the round"
+                )
+            slot_address = self._first_slot + slot * self.slot_bytes
+            for address, offset, n in segments:
+                ctypes.memmove(address, slot_address + offset, n)
+            _fence()
+            words[done + slot] = seq
+
+    def _wait_until(self, ready: Callable[[], bool], what: str) -> None:
+        words = self.words
+        start = beat_seen = time.monotonic()
+        beat = words[_HEARTBEAT]
+        pause = 2e-5
+        while not ready():
+            if self._closed.is_set():
+                raise WeightTransferError("the transfer group was shut down")
+            if words[_ABORT]:
+                raise WeightTransferError(
+                    f"another rank left the transfer group (it failed or shut down) while this one "
+                    f"waited for {what}"
+                )
+            now = time.monotonic()
+            if self.rank != 0:
+                if words[_HEARTBEAT] != beat:
+                    beat, beat_seen = words[_HEARTBEAT], now
+                elif now - beat_seen > HEARTBEAT_TIMEOUT_S:
+                    raise WeightTransferError(
+                        f"the trainer's heartbeat stopped for {HEARTBEAT_TIMEOUT_S:g} s while this worker "
+                        f"waited for {what}: the trainer process died or hung"
+                    )
+            if now - start > self.timeout_s:
+                raise WeightTransferError(f"waited timeout_s={self.timeout_s:g} for {what}")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        _fence()
+
+    def _beat(self) -> None:
+        while not self._closed.wait(HEARTBEAT_INTERVAL_S):
+            self.words[_HEARTBEAT] += 1
+
+
+_RINGS_TO_UNLINK: set[str] = set()
+"""Ring files created here and not yet unlinked. A rendezvous the trainer gave
+up on (a server refused it) leaves its thread waiting for the workers'
+reports, and daemon threads die silently at exit: ``atexit`` unlinks what
+they still hold."""
+
+
+@atexit.register
+def _unlink_rings_at_exit() -> None:
+    for path in list(_RINGS_TO_UNLINK):
+        _unlink_ring(path)
+
+
+def _unlink_ring(path: str) -> None:
+    _RINGS_TO_UNLINK.discard(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _create_ring_file(nbytes: int) -> str:
+    path = os.path.join(SHM_DIR, SHM_NAME_PREFIX + secrets.token_hex(16))
+    # 0600: only processes of this user may map the ring (a server running as
+    # another user reports that it cannot, and the negotiation handles it).
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    _RINGS_TO_UNLINK.add(path)
+    try:
+        # Reserve the pages now: on a full tmpfs a sparse file turns the
+        # first write into it into a SIGBUS instead of an error here.
+        os.posix_fallocate(fd, 0, nbytes)
+    except BaseException:
+        _unlink_ring(path)
+        raise
+    finally:
+        os.close(fd)
+    return path
+
+
+def _map_ring_file(path: str, nbytes: int) -> torch.Tensor:
+    # ``torch.from_file(shared=True)`` creates a missing file: a worker with
+    # its own /dev/shm would silently map a fresh, private ring (and leave it
+    # behind). Opening without O_CREAT first makes that an error.
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if size != nbytes:
+        raise OSError(f"{path} has {size} bytes, the ring needs {nbytes}")
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _shm_unavailable(detail: str) -> str:
+    return (
+        f"transport='shm' needs every inference worker to map the trainer's shared-memory ring from "
+        f"{SHM_DIR}, but {detail}. Run the servers on the trainer's host, as the same user and sharing "
+        f"its {SHM_DIR} (a container needs --ipc=host or a shared {SHM_DIR} mount), or set "
+        "transport='gloo' (or 'auto', which falls back to gloo)"
+    )
+
+
+def offer_ring(store: dist.Store, *, world_size: int, timeout_s: float, fallback_to_gloo: bool) -> ShmRing | None:
+    """Rank 0 of the negotiation: create and map the ring, publish it, collect
+    every worker's report, unlink the file, decide for every rank."""
+    _, _, nbytes = _ring_layout(world_size, SHM_SLOTS, SHM_SLOT_BYTES)
+    ring, path, problems = None, "", {}
+    try:
+        path = _create_ring_file(nbytes)
+        ring = ShmRing(_map_ring_file(path, nbytes), rank=0, world_size=world_size, slots=SHM_SLOTS,
+                       slot_bytes=SHM_SLOT_BYTES, timeout_s=timeout_s)  # fmt: skip
+    except (OSError, RuntimeError) as e:
+        problems[0] = f"the trainer cannot create it: {type(e).__name__}: {e}"
+    try:
+        offer = {"path": path if ring is not None else "", "slots": SHM_SLOTS, "slot_bytes": SHM_SLOT_BYTES}
+        store.set("shm/ring", json.dumps(offer))
+        if ring is not None:
+            keys = [f"shm/mapped/{r}" for r in range(1, world_size)]
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+            _fence()
+            for r, key in enumerate(keys, start=1):
+                report = store.get(key).decode()
+                if not report.startswith("hello "):
+                    problems[r] = f"rank {r} cannot: {report}"
+                elif ring.words[_HELLO + r] != int(report.split()[1]):
+                    # The path opened, but a different file: not this memory.
+                    problems[r] = f"rank {r} mapped a different file of that name (its own {SHM_DIR}?)"
+    finally:
+        if path:
+            # Every rank mapped the file or gave up: from here on it lives only
+            # as long as the mappings, so even a crash leaks nothing.
+            _unlink_ring(path)
+    decision = {"use": "shm", "message": ""}
+    if problems:
+        detail = "; ".join(problems[r] for r in sorted(problems))
+        if fallback_to_gloo:
+            decision["use"] = "gloo"
+            logger.warning("torch_dist: shared-memory ring unavailable (%s); every rank uses gloo broadcasts", detail)
+        else:
+            decision = {"use": "error", "message": _shm_unavailable(detail)}
+    store.set("shm/decision", json.dumps(decision))
+    return _follow(decision, ring)
+
+
+def join_ring(store: dist.Store, *, rank: int, world_size: int, timeout_s: float) -> ShmRing | None:
+    """A worker's side of the negotiation: map the offered ring, report, follow rank 0's decision."""
+    offer = json.loads(store.get("shm/ring"))
+    ring = None
+    if offer["path"]:
+        try:
+            _, _, nbytes = _ring_layout(world_size, offer["slots"], offer["slot_bytes"])
+            ring = ShmRing(_map_ring_file(offer["path"], nbytes), rank=rank, world_size=world_size,
+                           slots=offer["slots"], slot_bytes=offer["slot_bytes"], timeout_s=timeout_s)  # fmt: skip
+            nonce = secrets.randbits(62) + 1
+            ring.words[_HELLO + rank] = nonce
+            _fence()
+            report = f"hello {nonce}"
+        except (OSError, RuntimeError, ValueError) as e:
+            ring = None
+            report = f"{offer['path']}: {type(e).__name__}: {e}"
+        store.set(f"shm/mapped/{rank}", report)
+    return _follow(json.loads(store.get("shm/decision")), ring)
+
+
+def _follow(decision: dict[str, str], ring: ShmRing | None) -> ShmRing | None:
+    if decision["use"] == "error":
+        raise WeightTransferError(decision["message"])
+    if decision["use"] == "gloo":
+        return None
+    assert ring is not None, "rank 0 decided for the ring only if every rank mapped it"
+    ring.start()
+    return ring
