@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Every benchmark, one after the other (they must not share the CPUs), results
+# into benchmarks/results/: JSON, markdown and the throughput plot. Sets up the
+# project venv and the vLLM venv first (as the tests do). About 25 minutes on
+# 2 cores. Set WT_SKIP_VLLM=1 to leave out the vLLM comparison.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PY="${WT_VENV:-.venv}/bin/python"
+OUT=benchmarks/results
+mkdir -p "$OUT"
+"$PY" benchmarks/transfer_throughput.py --out "$OUT/transfer.json"
+"$PY" benchmarks/fsdp2_gather.py --out "$OUT/fsdp2_gather.json"
+"$PY" benchmarks/callback_overhead.py --out "$OUT/callback_overhead.json"
+if [ "${WT_SKIP_VLLM:-0}" != "1" ]; then
+  bash scripts/vllm_env.sh
+  WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \
+    "$PY" benchmarks/vllm_push_vs_reload.py --out "$OUT/vllm_push_vs_reload.json" --md "$OUT/vllm_push_vs_reload.md"
+fi
+echo "results in $OUT/"
