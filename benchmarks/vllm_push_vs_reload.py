@@ -13,11 +13,12 @@ plugin) on a checkpoint the trainer also loads. Then, for one warm-up round
 and ``--rounds`` timed rounds, it changes the trainer's weights before each
 sync and syncs them into the server by:
 
-* **push**, once per ``--push-configs`` entry (default: the shipped defaults,
-  packed 256 MiB chunks, and ``packed=False``): ``trainer_init`` (timed
-  apart), then the timed ``engine.send_weights()`` (start, update over a gloo
-  broadcast, finish, all through vLLM's RL routes). The server call times of
-  start / update / finish are recorded too.
+* **push**, for each ``--push-configs`` entry in turn (default: the shipped
+  defaults and ``packed=False``): one ``trainer_init`` (timed apart), then
+  the timed ``engine.send_weights()`` of every round on that engine (start,
+  update over the configured transport, finish, all through vLLM's RL
+  routes), as a trainer does. The server call times of start / update /
+  finish are recorded too.
 * **reload**, what a user of vLLM 0.32 would do otherwise: ``save_pretrained``
   (safetensors) into a directory, then ``POST /collective_rpc {"method":
   "reload_weights", "kwargs": {"weights_path": DIR}}``. Timed as save + RPC.
@@ -173,9 +174,7 @@ def bench_size(
     session = requests.Session()
     client = TimingClient(server.url, timeout=timeout_s)
 
-    def push(config: dict[str, Any], version: str) -> tuple[float, float, dict[str, float]]:
-        """trainer_init (timed apart), then one timed send_weights. A fresh
-        engine per round: the server holds one group, for one config at a time."""
+    def init(config: dict[str, Any]) -> tuple[Any, float]:
         start = time.perf_counter()
         engine = WeightTransferTrainerFactory.trainer_init(
             "torch_dist",
@@ -184,11 +183,7 @@ def bench_size(
             client=client,
             source=ModuleSource(model),
         )
-        init_s = time.perf_counter() - start
-        try:
-            return init_s, timed(lambda: engine.send_weights(version)), dict(client.calls)
-        finally:
-            engine.shutdown()
+        return engine, time.perf_counter() - start
 
     def reload() -> tuple[float, float]:
         save_s = timed(lambda: model.save_pretrained(reload_dir))
@@ -205,36 +200,46 @@ def bench_size(
         answer[0].raise_for_status()
         return save_s, rpc_s
 
-    pushes: dict[str, dict[str, list[Any]]] = {name: {"init": [], "send": [], "calls": []} for name in push_configs}
+    pushes: dict[str, dict[str, Any]] = {name: {"send": [], "calls": []} for name in push_configs}
     save_s: list[float] = []
     rpc_s: list[float] = []
     diffs: dict[str, float] = {}
     seed = 0
     try:
         with CpuLoadMeter(*server_pids(server)) as load:
-            for r in range(rounds + 1):  # round 0 warms every path up
-                line = [f"[{size}] round {r}{'' if r else ' (warm-up)'}:"]
-                for name, config in push_configs.items():
-                    seed += 1
-                    perturb(model, seed)
-                    init, send, calls = push(config, f"{name}-{r}")
-                    if r == rounds:
-                        diffs[name] = max_logprob_diff(server, model, [prompt])
-                    if r:
-                        pushes[name]["init"].append(init)
-                        pushes[name]["send"].append(send)
-                        pushes[name]["calls"].append(calls)
-                    line.append(f"push[{name}] {send:.3f} s;")
+            # One engine per config for all its rounds, as a trainer keeps
+            # one: its buffers and the server's are reused from round to
+            # round. The server holds one group at a time, so the configs
+            # take turns rather than alternating every round.
+            for name, config in push_configs.items():
+                engine, pushes[name]["init"] = init(config)
+                try:
+                    for r in range(rounds + 1):  # round 0 warms up
+                        seed += 1
+                        perturb(model, seed)
+                        start = time.perf_counter()
+                        engine.send_weights(f"{name}-{r}")
+                        send = time.perf_counter() - start
+                        if r:
+                            pushes[name]["send"].append(send)
+                            pushes[name]["calls"].append(dict(client.calls))
+                        print(f"[{size}] push[{name}] round {r}{'' if r else ' (warm-up)'}: {send:.3f} s", flush=True)
+                finally:
+                    engine.shutdown()
+                diffs[name] = max_logprob_diff(server, model, [prompt])
+            for r in range(rounds + 1):
                 seed += 1
                 perturb(model, seed)
                 t_save, t_rpc = reload()
-                if r == rounds:
-                    diffs["reload"] = max_logprob_diff(server, model, [prompt])
                 if r:
                     save_s.append(t_save)
                     rpc_s.append(t_rpc)
-                line.append(f"reload {t_save + t_rpc:.3f} s (save {t_save:.3f} + rpc {t_rpc:.3f})")
-                print(" ".join(line), flush=True)
+                print(
+                    f"[{size}] reload round {r}{'' if r else ' (warm-up)'}: {t_save + t_rpc:.3f} s "
+                    f"(save {t_save:.3f} + rpc {t_rpc:.3f})",
+                    flush=True,
+                )
+            diffs["reload"] = max_logprob_diff(server, model, [prompt])
     finally:
         client.close()
         session.close()
@@ -249,7 +254,7 @@ def bench_size(
             name: {
                 "config": push_configs[name],
                 "send_s": summary(p["send"]),
-                "trainer_init_s": statistics.median(p["init"]),
+                "trainer_init_s": p["init"],
                 "call_s": {k: statistics.median(c[k] for c in p["calls"]) for k in p["calls"][0]},
                 "ratio_reload_over_push": statistics.median(reload_s) / statistics.median(p["send"]),
                 "max_logprob_diff": diffs[name],
