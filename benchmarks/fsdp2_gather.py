@@ -21,10 +21,13 @@ all-gathers; rank 0 also packs and sends. Three sources, in one run:
   shard is all-gathered, then the full tensor is cast.
 * ``fp32``: ``ModuleSource(model)`` on an fp32 wire, for reference.
 
-Per source: a freshly seeded and sharded model (a new seed each, so a passing
-checksum proves the weights travelled), ``trainer_init`` on both ranks, 1
-warm-up + ``--rounds`` timed ``send_weights`` rounds, each started together
-on both ranks. Columns: median/min round seconds and median gather seconds
+Each source has its own seeded, sharded model (a seed each, so a passing
+checksum proves that source's weights travelled). ``--rounds`` cycles each
+visit every source in turn: ``trainer_init`` on both ranks, one warm-up and
+one timed ``send_weights`` round, both ranks starting each round together
+(rank 0 decides). Interleaving makes a change in load on a shared machine hit
+all sources alike. After the last cycle's round of a source, its checksums
+are checked. Columns: median/min round seconds and median gather seconds
 (``engine.last_stats`` on rank 0; gather = time spent producing tensors:
 all-gathers and casts), bytes on the wire and all-gathered bytes per round,
 rank 1's median round, the CPU cores used by processes other than the two
@@ -181,16 +184,13 @@ def receiver_checksums(url: str, timeout_s: float) -> dict[str, str]:
     return response.json()["checksums"]
 
 
-def run_source(
-    variant: Variant, seed: int, shape: ModelShape, mesh: Any, rank: int, args: RankArgs, meter_pids: list[int]
-) -> dict[str, Any]:
-    """Warm-up plus the timed rounds of one source on this rank, then the checksum check.
+def visit(variant: Variant, model: torch.nn.Module, rank: int, args: RankArgs, meter_pids: list[int]) -> dict[str, Any]:
+    """``trainer_init``, one warm-up round, then one timed round of ``variant``; this rank's stats.
 
-    Returns rank 0's row (``{}`` on the other ranks). ``meter_pids``: the
-    processes of this benchmark other than this one, whose CPU time is not
-    "other load".
+    The warm-up takes the engine's first-round costs (packing buffers are
+    allocated and page-faulted in) out of the timed round. ``meter_pids``:
+    this benchmark's other processes, whose CPU time is not "other load".
     """
-    model = sharded_model(shape, seed, mesh)
     source = variant.make_source(model)
     client = HTTPVLLMWeightSyncClient(args.receiver_url, timeout=args.timeout_s)  # only rank 0 calls it
     try:
@@ -206,40 +206,54 @@ def run_source(
                 raise TypeError(f"{variant.name}: the engine replaced the source by {type(engine.source).__name__}")
             drive_rounds(engine, rank, 1, f"{variant.name} warm-up")
             with CpuLoadMeter(*meter_pids) as load:
-                stats = drive_rounds(engine, rank, args.rounds, variant.name)
+                (stats,) = drive_rounds(engine, rank, 1, variant.name)
         finally:
             engine.shutdown()
     finally:
         client.close()
+    return {**stats, "source": type(engine.source).__name__, "other_cpu_cores": load.other_cores}
+
+
+def checksum_verdict(variant: Variant, model: torch.nn.Module, rank: int, args: RankArgs) -> dict[str, Any]:
+    """The receiver's checksums against the gathered ``model`` rounded through the wire dtype (on rank 0)."""
     expected = module_checksums(model, via_dtype=variant.wire_dtype)  # all-gathers: every rank
-    per_rank: list[Any] = [None] * WORLD_SIZE
-    dist.all_gather_object(per_rank, stats)
     if rank != 0:
         return {}
     got = receiver_checksums(args.receiver_url, args.timeout_s)
     mismatched = sorted(n for n in expected if got.get(n) != expected[n]) + sorted(set(got) - set(expected))
-    seconds = [s["seconds"] for s in stats]
+    return {"passed": not mismatched, "mismatched": len(mismatched), "first_mismatched": mismatched[:5]}
+
+
+def summary(variant: Variant, model: torch.nn.Module, rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One source's row from ``rounds[rank][i]``, the stats of every rank's timed rounds."""
+    ours, rank1 = rounds[0], rounds[1]
+    seconds = [r["seconds"] for r in ours]
+    gathers = [r["gather_seconds"] for r in ours]
     return {
         "name": variant.name,
         "wire": variant.wire or "float32",
         "gather_dtype": str(variant.gather_dtype).removeprefix("torch."),
-        "source": type(source).__name__,
-        "rounds": stats,
+        "source": ours[-1]["source"],
+        "rounds": ours,
         "median_s": statistics.median(seconds),
         "min_s": min(seconds),
-        "median_gather_s": statistics.median(s["gather_seconds"] for s in stats),
-        "min_gather_s": min(s["gather_seconds"] for s in stats),
-        "bytes": stats[-1]["bytes"],
+        "median_gather_s": statistics.median(gathers),
+        "min_gather_s": min(gathers),
+        "bytes": ours[-1]["bytes"],
         "gathered_bytes": sum(p.numel() for p in model.parameters()) * variant.gather_dtype.itemsize,
-        "rank1_median_s": statistics.median(s["seconds"] for s in per_rank[1]),
-        "rank1_median_gather_s": statistics.median(s["gather_seconds"] for s in per_rank[1]),
-        "other_cpu_cores": load.other_cores,
-        "checksum": {"passed": not mismatched, "mismatched": len(mismatched), "first_mismatched": mismatched[:5]},
+        "rank1_median_s": statistics.median(r["seconds"] for r in rank1),
+        "rank1_median_gather_s": statistics.median(r["gather_seconds"] for r in rank1),
+        "other_cpu_cores": statistics.fmean(r["other_cpu_cores"] for r in ours),
     }
 
 
 def rank_main(rank: int, args: RankArgs) -> None:
-    """One trainer rank: every source in turn; rank 0 writes the rows to ``args.rows_path``."""
+    """One trainer rank: ``args.rounds`` cycles over the sources; rank 0 writes the rows to ``args.rows_path``.
+
+    Each cycle runs one timed round of every source, so a change in the
+    machine's load (it may be shared) hits all sources alike instead of
+    whichever happened to run at the time.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     if args.torch_threads > 0:
@@ -257,10 +271,22 @@ def rank_main(rank: int, args: RankArgs) -> None:
         meter_pids = [*args.other_pids, *(pid for r, pid in enumerate(pids) if r != rank)]
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
         shape = shape_for(parse_size(args.params_text))
-        rows = [
-            run_source(v, TRAINER_SEED + 1 + i, shape, mesh, rank, args, meter_pids) for i, v in enumerate(VARIANTS)
-        ]
+        # A seed per source: a passing checksum proves that source's round reached the receiver.
+        models = [sharded_model(shape, TRAINER_SEED + 1 + i, mesh) for i in range(len(VARIANTS))]
+        stats: list[list[dict[str, Any]]] = [[] for _ in VARIANTS]
+        verdicts: list[dict[str, Any]] = []
+        for cycle in range(args.rounds):
+            for variant, model, timed in zip(VARIANTS, models, stats):
+                timed.append(visit(variant, model, rank, args, meter_pids))
+                if cycle == args.rounds - 1:
+                    verdicts.append(checksum_verdict(variant, model, rank, args))
+        per_rank: list[Any] = [None] * WORLD_SIZE
+        dist.all_gather_object(per_rank, stats)
         if rank == 0:
+            rows = [
+                {**summary(v, m, [per_rank[r][i] for r in range(WORLD_SIZE)]), "checksum": verdict}
+                for i, (v, m, verdict) in enumerate(zip(VARIANTS, models, verdicts))
+            ]
             Path(args.rows_path).write_text(json.dumps(rows))
     finally:
         leave_group_together()
@@ -300,8 +326,8 @@ def markdown_table(result: dict[str, Any]) -> str:
     m = result["model"]
     lines = [
         f"FSDP2, {WORLD_SIZE} ranks, synthetic Llama fp32: {m['params'] / 1e6:.1f}M params (hidden {m['hidden']}, "
-        f"{m['layers']} layers, vocab {m['vocab']}, {m['tensors']} tensors); {result['rounds']} timed rounds after "
-        f"1 warm-up; {result['torch_threads']} torch thread(s) per process; load average "
+        f"{m['layers']} layers, vocab {m['vocab']}, {m['tensors']} tensors); {result['rounds']} timed rounds per source, "
+        f"interleaved, each after its own trainer_init and warm-up round; {result['torch_threads']} torch thread(s) per process; load average "
         f"{result['machine']['loadavg_before'][0]:.2f} before, {result['machine']['loadavg_after'][0]:.2f} after.",
         "",
         "| source | wire MB | gathered MB | median s | min s | wire GB/s | median gather s | min gather s "
@@ -364,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows_path=str(Path(tmp) / "rows.json"),
             )
             # Each rank's waits are bounded by --timeout; this bounds the whole run
-            # generously: every round, model build and checksum pass may take one.
-            budget_s = args.timeout * (len(VARIANTS) * (args.rounds + 4) + 2)
+            # generously: every trainer_init, round, model build and checksum pass may take one.
+            budget_s = args.timeout * (len(VARIANTS) * (3 * args.rounds + 2) + 2)
             try:
                 run_ranks(rank_args, budget_s)
             except BaseException:
