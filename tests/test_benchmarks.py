@@ -19,8 +19,8 @@ def test_transfer_throughput_smoke(tmp_path):
     run("benchmarks/transfer_throughput.py", "--params", "2M", "--rounds", "1", "--tcp-bytes", "64M", "--out", str(out))
     # Every checksum passed, or the script exited 1.
     (size,) = json.loads(out.read_text())["sizes"]
-    assert size["configs"][0]["name"] == "packed 64MiB x2 fp32 gloo"
-    assert {"per_parameter", "disk", "default"} <= set(size)
+    assert size["configs"][0]["name"] == "packed 64MiB x2 fp32 shm"
+    assert {"per_parameter", "disk"} <= set(size)
     assert out.with_suffix(".md").read_text().startswith("Trainer -> reference receiver")
     assert out.with_suffix(".png").stat().st_size > 0
 
