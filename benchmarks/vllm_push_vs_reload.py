@@ -72,8 +72,14 @@ from wt_callbacks.transfer import (  # noqa: E402
 
 SIZES = ("toy", "llama-74M")
 PROMPT_WORDS = "a b c d |"
-DEFAULT_PUSH_CONFIGS: dict[str, dict[str, Any]] = {"default": {}, "unpacked": {"packed": False}}
-"""The shipped defaults (packed, 64 MiB chunks) and one collective per tensor."""
+DEFAULT_PUSH_CONFIGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "default-gloo": {"transport": "gloo"},
+    "unpacked": {"packed": False},
+}
+"""The shipped defaults (packed, 64 MiB chunks; ``auto`` picks the shm ring
+for a server on this host), the same over loopback TCP (what a server on
+another host gets, minus the network), and one collective per tensor."""
 
 
 def build_model_dir(size: str, directory: Path) -> Path:
