@@ -78,8 +78,9 @@ def _poll_during_updates() -> None:
         config = getattr(self.vllm_config, "weight_transfer_config", None)
         if method != "update_weights" or getattr(config, "backend", None) != BACKEND:
             return spinning_rpc(self, method, *args, **kwargs)
-        conditions = [mq._spin_condition for mq in getattr(self, "response_mqs", ())]
-        conditions = [c for c in conditions if c is not None]
+        # Internals of vLLM 0.32: whatever is not there keeps vLLM's own waiting.
+        conditions = [getattr(mq, "_spin_condition", None) for mq in getattr(self, "response_mqs", ())]
+        conditions = [c for c in conditions if c is not None and hasattr(c, "busy_loop_s")]
         saved = [c.busy_loop_s for c in conditions]
         for c in conditions:
             c.busy_loop_s = 0
@@ -109,7 +110,8 @@ def _keep_freed_host_memory() -> None:
     if mallopt is None:
         return
     m_trim_threshold, m_mmap_max = -1, -4
-    if not (mallopt(m_mmap_max, 0) and mallopt(m_trim_threshold, -1)):
+    kept = [mallopt(m_mmap_max, 0), mallopt(m_trim_threshold, -1)]
+    if not all(kept):
         logger.debug("mallopt refused to keep freed memory; every round page-faults its memory in")
 
 

@@ -162,7 +162,7 @@ def test_auto_falls_back_to_gloo_when_a_worker_cannot_map_the_ring(receiver_proc
     shared = receiver_proc()
     isolated = receiver_proc(wrapper=private_shm)
     model = models.tiny_mlp(seed=0)
-    with caplog.at_level(logging.WARNING, logger="wt_callbacks.transfer.backends.torch_dist"):
+    with caplog.at_level(logging.WARNING, logger="wt_callbacks.transfer.backends.shm_ring"):
         client, engine = connect([shared.url, isolated.url], ModuleSource(model))
     try:
         assert engine.worker_init_info["transport"] == "shm"
@@ -180,7 +180,7 @@ def test_explicit_shm_that_a_worker_cannot_map_names_the_fix(receiver_proc, priv
     isolated = receiver_proc(wrapper=private_shm)
     model = models.tiny_mlp(seed=0)
     start = time.monotonic()
-    with pytest.raises(WeightTransferError, match=r"transport='shm' needs every inference worker .*transport='gloo'") as failure:
+    with pytest.raises(WeightTransferError, match=r"transport='shm' needs a shared-memory ring .*every inference worker maps.*transport='gloo'") as failure:
         connect(isolated.url, ModuleSource(model), transport="shm")
     assert "run the servers on the trainer's host" in str(failure.value).lower()
     assert time.monotonic() - start < TIMEOUT_S

@@ -175,7 +175,10 @@ class WeightSource(ABC):
       time. Materializing is typically a collective (FSDP ``full_tensor()``),
       so every trainer rank must iterate the same source in the same order in
       lockstep, or ranks deadlock. ``iter(source)`` yields a fresh pass each
-      round.
+      round. A yielded tensor must stay valid and unchanged until the round
+      ends: a transport may read it after the next ones were yielded (the
+      shared-memory ring streams chunks straight from them), so a source
+      must not refill one scratch buffer for several tensors.
     """
 
     @abstractmethod

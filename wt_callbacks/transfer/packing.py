@@ -97,7 +97,12 @@ def broadcast_packed(
         raise ValueError(f"packed_num_buffers must be >= 1, got {num_buffers}")
     if broadcast_parts is not None:
         return stream_parts(
-            tensors, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, broadcast_parts=broadcast_parts, wait=wait
+            tensors,
+            buffer_size_bytes=buffer_size_bytes,
+            num_buffers=num_buffers,
+            broadcast_parts=broadcast_parts,
+            wait=wait,
+            device=device,
         )
     capacities = list(capacity_hint) if capacity_hint else [buffer_size_bytes] * num_buffers
     cache: list[torch.Tensor] = buffers if buffers is not None else []
@@ -151,6 +156,7 @@ def stream_parts(
     num_buffers: int,
     broadcast_parts: BroadcastParts,
     wait: Wait,
+    device: torch.device | str = "cpu",
 ) -> int:
     """Sender side without packing: each chunk is broadcast as its tensors.
 
@@ -159,13 +165,16 @@ def stream_parts(
     at most ``num_buffers`` chunks are held at a time (the one being
     collected included), so the memory bound is that of the buffers; for a
     plain module the tensors are the parameters themselves and cost nothing.
-    Returns the number of bytes sent.
+    They are read after they were yielded, hence the ``WeightSource``
+    contract that a yielded tensor stays unchanged until the round ends.
+    Tensors not on ``device`` (a GPU trainer sending through the host ring)
+    are copied there first. Returns the number of bytes sent.
     """
     in_flight: deque[Any] = deque()
     parts: list[torch.Tensor] = []
     fill = sent = 0
     for tensor in tensors:
-        data = _as_bytes(tensor)
+        data = _as_bytes(tensor.to(device))
         parts.append(data)
         fill += data.numel()
         del data, tensor

@@ -21,6 +21,7 @@ import ctypes
 import datetime
 import json
 import logging
+import mmap
 import os
 import queue
 import secrets
@@ -46,9 +47,9 @@ SHM_SLOT_BYTES = 4 * 1024 * 1024
 Four slots let the trainer fill one slot while the workers empty the others,
 so neither side waits on the other's copy of a single piece; 4 MiB pieces
 make the per-piece cost (a few Python calls and one poll) negligible next to
-the copy (~1 ms). The ring adds to the trainer's memory on top of the packed
-bound (``packed_num_buffers`` x bucket + the largest tensor, with 1.25x
-allowance), so it is kept small: 16 MiB is 12% of the default 2 x 64 MiB."""
+the copy (~1 ms). On the trainer the ring replaces the pack buffers (chunks
+are streamed from the tensors themselves), so it is the transport's whole
+memory cost; small against the default 2 x 64 MiB buffers it replaces."""
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 10.0
 """A worker waiting for data fails if the trainer's heartbeat (bumped every
@@ -57,7 +58,6 @@ killed trainer would otherwise leave the server stuck in ``update_weights``
 for ``timeout_s`` (300 s by default), since a dead process sets no abort
 flag. 20 missed beats: a trainer whose Python threads starve for 10 s is
 treated as dead."""
-
 
 
 _FENCE_LOCK = threading.Lock()
@@ -212,20 +212,27 @@ class ShmRing:
 
     def close(self) -> None:
         """Set the abort flag, stop the threads, fail every queued broadcast."""
-        self.words[_ABORT] = 1
         with self._lock:
+            # Closed before the abort flag: this rank's own thread must report
+            # its shutdown, not "another rank left".
             self._closed.set()
             self._jobs.put(None)
+        self.words[_ABORT] = 1
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(timeout=10)
+        stopped = False
         while True:
             try:
                 work = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            if work is not None:
+            if work is None:
+                stopped = True
+            else:
                 work._finish(WeightTransferError("the transfer group was shut down"))
+        if stopped:  # a thread still alive after its join must still find its sentinel
+            self._jobs.put(None)
 
     def _stream(self) -> None:
         copy = self._send if self.rank == 0 else self._receive
@@ -375,24 +382,26 @@ def _create_ring_file(nbytes: int) -> str:
 
 
 def _map_ring_file(path: str, nbytes: int) -> torch.Tensor:
-    # ``torch.from_file(shared=True)`` creates a missing file: a worker with
-    # its own /dev/shm would silently map a fresh, private ring (and leave it
-    # behind). Opening without O_CREAT first makes that an error.
+    # Mapped from the descriptor opened without O_CREAT: opening by name again
+    # (``torch.from_file`` creates a missing file) would let a worker with its
+    # own /dev/shm, or one racing rank 0's unlink, map a fresh private ring and
+    # leave that file behind.
     fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size
+        if size != nbytes:
+            raise OSError(f"{path} has {size} bytes, the ring needs {nbytes}")
+        # The tensor keeps the mmap object (and so the mapping) alive.
+        return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
     finally:
         os.close(fd)
-    if size != nbytes:
-        raise OSError(f"{path} has {size} bytes, the ring needs {nbytes}")
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def _shm_unavailable(detail: str) -> str:
     return (
-        f"transport='shm' needs every inference worker to map the trainer's shared-memory ring from "
-        f"{SHM_DIR}, but {detail}. Run the servers on the trainer's host, as the same user and sharing "
-        f"its {SHM_DIR} (a container needs --ipc=host or a shared {SHM_DIR} mount), or set "
+        f"transport='shm' needs a shared-memory ring in {SHM_DIR} that the trainer creates and every "
+        f"inference worker maps, but {detail}. Run the servers on the trainer's host, as the same user "
+        f"and sharing its {SHM_DIR} (a container needs --ipc=host or a shared {SHM_DIR} mount), or set "
         "transport='gloo' (or 'auto', which falls back to gloo)"
     )
 
@@ -413,7 +422,14 @@ def offer_ring(store: dist.Store, *, world_size: int, timeout_s: float, fallback
         store.set("shm/ring", json.dumps(offer))
         if ring is not None:
             keys = [f"shm/mapped/{r}" for r in range(1, world_size)]
-            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+            try:
+                store.wait(keys, datetime.timedelta(seconds=timeout_s))
+            except BaseException:
+                # A worker that never reported hung or died: tell the others
+                # at once rather than leave them waiting for a decision.
+                store.set("shm/decision", json.dumps({"use": "error", "message": "a worker never reported"}))
+                ring.close()
+                raise
             _fence()
             for r, key in enumerate(keys, start=1):
                 report = store.get(key).decode()
@@ -452,7 +468,7 @@ def join_ring(store: dist.Store, *, rank: int, world_size: int, timeout_s: float
             ring.words[_HELLO + rank] = nonce
             _fence()
             report = f"hello {nonce}"
-        except (OSError, RuntimeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - every failure is reported: rank 0 waits for a report
             ring = None
             report = f"{offer['path']}: {type(e).__name__}: {e}"
         store.set(f"shm/mapped/{rank}", report)

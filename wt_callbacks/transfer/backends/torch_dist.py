@@ -371,7 +371,7 @@ class TransferGroup:
                 shm = join_ring(prefix, rank=rank, world_size=world_size, timeout_s=timeout_s)
         except BaseException as e:
             cls(store, pg, rank, world_size, device).destroy()
-            if isinstance(e, WeightTransferError):
+            if isinstance(e, WeightTransferError) or not isinstance(e, Exception):
                 raise
             raise WeightTransferError(
                 f"the shared-memory ring negotiation did not finish within timeout_s={timeout_s:g} "
@@ -614,17 +614,24 @@ class TorchDistTrainerWeightTransferEngine(
             ),
             "wt-rendezvous",
         )
-        deadline = time.monotonic() + timeout_s + 5
-        while not (joined.done() and server_call.done()):
+        try:
+            # The join may take timeout_s for the group and again for the ring.
+            deadline = time.monotonic() + 2 * timeout_s + 5
+            while not (joined.done() and server_call.done()):
+                _raise_if_failed(server_call, "init_weight_transfer_engine")
+                if joined.done() and joined.exception() is not None:
+                    raise joined.exception()
+                if time.monotonic() > deadline:
+                    raise WeightTransferError(
+                        f"rendezvous with the servers did not finish within timeout_s={timeout_s:g}"
+                    )
+                time.sleep(0.01)
             _raise_if_failed(server_call, "init_weight_transfer_engine")
-            if joined.done() and joined.exception() is not None:
-                raise joined.exception()
-            if time.monotonic() > deadline:
-                raise WeightTransferError(
-                    f"rendezvous with the servers did not finish within timeout_s={timeout_s:g}"
-                )
-            time.sleep(0.01)
-        _raise_if_failed(server_call, "init_weight_transfer_engine")
+        except BaseException:
+            # A group the join still forms after we gave up has no owner: it
+            # would keep its store port, ring and heartbeat alive for good.
+            joined.add_done_callback(lambda f: f.exception() is None and f.result().destroy())
+            raise
         self.group = joined.result()
         logger.info(
             "torch_dist: %s group of %d ranks formed on %s:%d",
