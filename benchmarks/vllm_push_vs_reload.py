@@ -33,7 +33,8 @@ comparable only when it is near 0.
 
 Output: JSON (``--out``) and a markdown table (stdout, and ``--md``). The ratio
 is median reload seconds / median push seconds (> 1: the push is faster).
-Needs ``WT_VLLM_PYTHON`` (exit status 2 without it).
+Needs ``WT_VLLM_PYTHON`` (exit status 2 without it); exit status 1 when a
+path's logprobs differ by more than ``LOGPROB_TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ from wt_callbacks.transfer import (  # noqa: E402
 
 SIZES = ("toy", "llama-74M")
 PROMPT_WORDS = "a b c d |"
+LOGPROB_TOLERANCE = 1e-3
+"""Max |logprob difference| between the server and the trainer's model after a
+path's last round (measured: ~1e-6 in fp32); beyond it the path did not
+deliver the weights and the exit status is 1."""
 DEFAULT_PUSH_CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "default-gloo": {"transport": "gloo"},
@@ -347,6 +352,15 @@ def main() -> int:
             f"Seconds per weight sync into vLLM (fp32, {args.rounds} rounds after a warm-up; "
             f"{os.cpu_count()} CPUs). See `benchmarks/vllm_push_vs_reload.py`.\n\n{table}\n"
         )
+    wrong = [
+        f"{r['size']} {name}: {diff:.1g}"
+        for r in results
+        for name, diff in [*((n, p["max_logprob_diff"]) for n, p in r["pushes"].items()), ("reload", r["reload"]["max_logprob_diff"])]
+        if not diff <= LOGPROB_TOLERANCE
+    ]
+    if wrong:
+        print(f"the server's logprobs differ from the trainer's model by more than {LOGPROB_TOLERANCE:g}: {wrong}", file=sys.stderr)
+        return 1
     return 0
 
 

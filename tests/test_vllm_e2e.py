@@ -441,3 +441,22 @@ def test_server_restarted_mid_training_with_warn(vllm_python: Path, model_dir, p
         assert diff <= FP32_ATOL
     finally:
         servers["current"].stop()
+
+
+def test_push_vs_reload_benchmark_smoke(vllm_python, tmp_path):
+    """The vLLM benchmark harness runs at its smallest size (no timing assertions)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.procs import REPO_ROOT
+
+    out = tmp_path / "vllm.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/vllm_push_vs_reload.py", "--sizes", "toy", "--rounds", "1",
+         "--push-configs", '{"default": {}}', "--out", str(out)],
+        cwd=REPO_ROOT, env={**os.environ, "WT_VLLM_PYTHON": str(vllm_python)},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert json.loads(out.read_text())
