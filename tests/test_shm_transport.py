@@ -13,19 +13,17 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 import requests
 import torch
 
 from tests.support import models
+from tests.support.transfer import LOCAL, TIMEOUT_S, InterruptingSource, connect, receiver_checksums
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
-    ParamMeta,
-    WeightSource,
     WeightTransferError,
     WeightTransferTrainerFactory,
 )
@@ -36,9 +34,6 @@ from wt_callbacks.transfer.backends.shm_ring import (
     SHM_SLOT_BYTES,
     SHM_SLOTS,
 )
-
-TIMEOUT_S = 30.0
-LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
 
 # A mount namespace with a fresh tmpfs on /dev/shm: the receiver sees its own,
 # empty /dev/shm, as in a container without --ipc=host. It is a simulation
@@ -72,18 +67,6 @@ def private_shm():
     if probe.returncode != 0:
         pytest.skip(f"user/mount namespaces unavailable here: {probe.stderr.decode().strip()}")
     return PRIVATE_SHM
-
-
-def receiver_checksums(url: str) -> dict[str, str]:
-    return requests.get(f"{url}/weight_checksums", timeout=30).json()["checksums"]
-
-
-def connect(urls, source: WeightSource, **config):
-    client = HTTPVLLMWeightSyncClient(urls, timeout=TIMEOUT_S)
-    engine = WeightTransferTrainerFactory.trainer_init(
-        "torch_dist", {"timeout_s": TIMEOUT_S, **config}, LOCAL, client=client, source=source
-    )
-    return client, engine
 
 
 @pytest.mark.parametrize(
@@ -191,31 +174,13 @@ def test_explicit_shm_that_a_worker_cannot_map_names_the_fix(receiver_proc, priv
     assert receiver_checksums(isolated.url) == module_checksums(model)
 
 
-class _KillingSource(WeightSource):
-    """Calls ``kill`` after ``after`` tensors, mid-round."""
-
-    def __init__(self, model: torch.nn.Module, kill, after: int = 30) -> None:
-        self.inner = ModuleSource(model)
-        self.kill = kill
-        self.after = after
-
-    def metadata(self) -> list[ParamMeta]:
-        return self.inner.metadata()
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for i, item in enumerate(self.inner):
-            if i == self.after:
-                self.kill()
-            yield item
-
-
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
 def test_receiver_killed_mid_round_raises_within_timeout_then_a_new_receiver_syncs(receiver_proc, packed):
     receiver = receiver_proc("tests.support.models:many_tensors")
     model = models.many_tensors(seed=0)
     timeout_s = 15.0
     client, engine = connect(
-        receiver.url, _KillingSource(model, receiver.kill), transport="shm", packed=packed,
+        receiver.url, InterruptingSource(model, receiver.kill), transport="shm", packed=packed,
         packed_buffer_size_bytes=4096, timeout_s=timeout_s,
     )  # fmt: skip
     start = time.monotonic()
@@ -231,30 +196,17 @@ def test_receiver_killed_mid_round_raises_within_timeout_then_a_new_receiver_syn
     assert receiver_checksums(fresh.url) == module_checksums(model)
 
 
-class _StallingSource(WeightSource):
-    """Yields ``after`` tensors, sets ``stalled``, then blocks: the trainer is mid-round."""
-
-    def __init__(self, model: torch.nn.Module, stalled, after: int) -> None:
-        self.inner = ModuleSource(model)
-        self.stalled = stalled
-        self.after = after
-
-    def metadata(self) -> list[ParamMeta]:
-        return self.inner.metadata()
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for i, item in enumerate(self.inner):
-            if i == self.after:
-                self.stalled.set()
-                time.sleep(3600)
-            yield item
-
-
 def _trainer_until_killed(url: str, stalled, timeout_s: float) -> None:
+    """Yields 100 tensors, sets ``stalled``, then blocks mid-round until killed."""
+
+    def stall() -> None:
+        stalled.set()
+        time.sleep(3600)
+
     model = models.many_tensors(seed=0)
     engine = WeightTransferTrainerFactory.trainer_init(
         "torch_dist", {"timeout_s": timeout_s, "transport": "shm", "packed_buffer_size_bytes": 4096}, LOCAL,
-        client=HTTPVLLMWeightSyncClient(url, timeout=timeout_s), source=_StallingSource(model, stalled, after=100),
+        client=HTTPVLLMWeightSyncClient(url, timeout=timeout_s), source=InterruptingSource(model, stall, after=100),
     )  # fmt: skip
     engine.send_weights("never")
 

@@ -1,7 +1,10 @@
 """torch_dist end to end: a trainer pushes into receiver processes over HTTP + gloo.
 
 Every test compares sha256 checksums of every parameter on the receiver
-against the trainer's, so "passed" means bitwise equal.
+against the trainer's, so "passed" means bitwise equal. The data-path tests
+name ``transport="gloo"``: ``auto`` would pick the shared-memory ring for
+these same-host receivers, and that transport has tests of its own
+(``test_shm_transport.py``).
 """
 
 from __future__ import annotations
@@ -13,13 +16,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import requests
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.support import models
 from tests.support.procs import free_port, leave_group_together
+from tests.support.transfer import LOCAL, TIMEOUT_S, InterruptingSource, connect, receiver_checksums
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
@@ -29,22 +32,6 @@ from wt_callbacks.transfer import (
     WeightTransferError,
     WeightTransferTrainerFactory,
 )
-
-TIMEOUT_S = 30.0
-LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
-
-
-def receiver_checksums(url: str) -> dict[str, str]:
-    return requests.get(f"{url}/weight_checksums", timeout=30).json()["checksums"]
-
-
-def connect(urls, source: WeightSource, **config):
-    client = HTTPVLLMWeightSyncClient(urls, timeout=TIMEOUT_S)
-    engine = WeightTransferTrainerFactory.trainer_init(
-        "torch_dist", {"timeout_s": TIMEOUT_S, **config}, LOCAL, client=client, source=source
-    )
-    return client, engine
-
 
 @pytest.mark.parametrize(
     "config",
@@ -64,8 +51,9 @@ def test_mixed_dtypes_and_non_contiguous_params_arrive_bitwise(receiver_proc, co
     assert {p.dtype for p in model.parameters()} == {torch.float32, torch.bfloat16}
     assert receiver_checksums(receiver.url) != module_checksums(model)
 
-    client, engine = connect(receiver.url, ModuleSource(model), **config)
+    client, engine = connect(receiver.url, ModuleSource(model), transport="gloo", **config)
     try:
+        assert engine.group.transport == "gloo"
         for version in ("v1", "v2"):
             with torch.no_grad():
                 for p in model.parameters():
@@ -83,7 +71,7 @@ def test_mixed_dtypes_and_non_contiguous_params_arrive_bitwise(receiver_proc, co
 def test_bf16_wire_from_fp32_model(receiver_proc):
     receiver = receiver_proc("tests.support.models:tiny_mlp")
     model = models.tiny_mlp(seed=0)
-    client, engine = connect(receiver.url, ModuleSource(model), dtype="bfloat16")
+    client, engine = connect(receiver.url, ModuleSource(model), transport="gloo", dtype="bfloat16")
     try:
         assert {m.dtype for m in engine.source.metadata()} == {torch.bfloat16}
         engine.send_weights("bf16")
@@ -98,7 +86,7 @@ def test_bf16_wire_from_fp32_model(receiver_proc):
 def test_one_round_reaches_two_receivers(receiver_proc):
     first, second = receiver_proc(), receiver_proc()
     model = models.tiny_mlp(seed=0)
-    client, engine = connect([first.url, second.url], ModuleSource(model))
+    client, engine = connect([first.url, second.url], ModuleSource(model), transport="gloo")
     try:
         # world_size was not given: 1 trainer + each server's world size.
         assert engine.worker_init_info["world_size"] == 3
@@ -155,29 +143,12 @@ def test_metadata_disagreement_is_named_and_leaves_old_weights(receiver_proc):
     assert receiver_checksums(receiver.url) == module_checksums(model)
 
 
-class _KillingSource(WeightSource):
-    """Kills the receiver process after a few tensors, mid-round."""
-
-    def __init__(self, model: torch.nn.Module, kill) -> None:
-        self.inner = ModuleSource(model)
-        self.kill = kill
-
-    def metadata(self) -> list[ParamMeta]:
-        return self.inner.metadata()
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for i, item in enumerate(self.inner):
-            if i == 30:
-                self.kill()
-            yield item
-
-
 def test_receiver_killed_mid_round_raises_within_timeout_then_recovers(receiver_proc):
     receiver = receiver_proc("tests.support.models:many_tensors")
     model = models.many_tensors(seed=0)
     timeout_s = 15.0
     client, engine = connect(
-        receiver.url, _KillingSource(model, receiver.kill), packed=False, timeout_s=timeout_s
+        receiver.url, InterruptingSource(model, receiver.kill), transport="gloo", packed=False, timeout_s=timeout_s
     )
     start = time.monotonic()
     with pytest.raises(WeightTransferError):
@@ -186,7 +157,7 @@ def test_receiver_killed_mid_round_raises_within_timeout_then_recovers(receiver_
     engine.shutdown()
 
     fresh = receiver_proc("tests.support.models:many_tensors")
-    client, engine = connect(fresh.url, ModuleSource(model))
+    client, engine = connect(fresh.url, ModuleSource(model), transport="gloo")
     engine.send_weights("after-crash")
     engine.shutdown()
     assert receiver_checksums(fresh.url) == module_checksums(model)

@@ -1,0 +1,51 @@
+"""Trainer-side helpers of the end-to-end transfer tests (trainer in the test
+process, receivers in their own processes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import requests
+import torch
+
+from wt_callbacks.transfer import (
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    ParamMeta,
+    WeightSource,
+    WeightTransferTrainerFactory,
+)
+
+TIMEOUT_S = 30.0
+LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
+
+
+def receiver_checksums(url: str) -> dict[str, str]:
+    return requests.get(f"{url}/weight_checksums", timeout=30).json()["checksums"]
+
+
+def connect(urls, source: WeightSource, **config):
+    client = HTTPVLLMWeightSyncClient(urls, timeout=TIMEOUT_S)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        "torch_dist", {"timeout_s": TIMEOUT_S, **config}, LOCAL, client=client, source=source
+    )
+    return client, engine
+
+
+class InterruptingSource(WeightSource):
+    """``ModuleSource(model)`` that calls ``act`` before yielding tensor ``after``:
+    kills a receiver, or stalls the trainer, in the middle of a round."""
+
+    def __init__(self, model: torch.nn.Module, act: Callable[[], None], after: int = 30) -> None:
+        self.inner = ModuleSource(model)
+        self.act = act
+        self.after = after
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.inner.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(self.inner):
+            if i == self.after:
+                self.act()
+            yield item
