@@ -58,7 +58,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import requests
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -76,6 +75,7 @@ from benchmarks.transfer_throughput import (  # noqa: E402 - needs the repositor
     SyntheticLlama,
     build_model,
     parse_size,
+    receiver_checksums,
     shape_for,
 )
 from tests.support.procs import free_port, leave_group_together  # noqa: E402
@@ -175,13 +175,6 @@ def drive_rounds(engine: Any, rank: int, planned: int, tag: str) -> list[dict[st
         engine.send_weights(f"{tag} #{len(stats)}")
         stats.append(asdict(engine.last_stats))
     return stats
-
-
-def receiver_checksums(url: str, timeout_s: float) -> dict[str, str]:
-    """The receiver's ``GET /weight_checksums`` (from a rank, which has no ``ReceiverProcess``)."""
-    response = requests.get(f"{url}/weight_checksums", timeout=timeout_s)
-    response.raise_for_status()
-    return response.json()["checksums"]
 
 
 def visit(variant: Variant, model: torch.nn.Module, rank: int, args: RankArgs, meter_pids: list[int]) -> dict[str, Any]:

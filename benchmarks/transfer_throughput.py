@@ -337,11 +337,18 @@ class ReceiverProcess:
 
     def checksums(self, timeout_s: float) -> dict[str, str]:
         """The receiver's ``GET /weight_checksums``."""
-        import requests
+        assert self.url is not None
+        return receiver_checksums(self.url, timeout_s)
 
-        response = requests.get(f"{self.url}/weight_checksums", timeout=timeout_s)
-        response.raise_for_status()
-        return response.json()["checksums"]
+
+def receiver_checksums(url: str, timeout_s: float) -> dict[str, str]:
+    """``GET /weight_checksums`` of the receiver at ``url`` (also from processes
+    that have only its URL, such as spawned trainer ranks)."""
+    import requests
+
+    response = requests.get(f"{url}/weight_checksums", timeout=timeout_s)
+    response.raise_for_status()
+    return response.json()["checksums"]
 
 
 # --------------------------------------------------------------------------- #

@@ -75,6 +75,18 @@ def assign_rank_offsets(
     return payloads
 
 
+def group_world_size(client: Any) -> int:
+    """1 (the trainer) + every server's workers, asked from ``client``: what a
+    trainer's ``init_info`` may leave out as ``world_size``."""
+    get_world_size = getattr(client, "get_world_size", None)
+    if not callable(get_world_size):
+        raise ValueError(
+            "init_info: world_size is missing and the client has no get_world_size() to ask "
+            "the servers; set world_size = 1 + the number of inference workers"
+        )
+    return 1 + int(get_world_size())
+
+
 class _FanOut:
     """Runs one call per server concurrently; raises the first failure."""
 

@@ -67,6 +67,7 @@ from wt_callbacks.transfer.base import (
     finish_with_version,
 )
 from wt_callbacks.transfer.backends.shm_ring import ShmRing, join_ring, offer_ring
+from wt_callbacks.transfer.clients import group_world_size
 from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, receive_packed, slot_capacities
 
 logger = logging.getLogger(__name__)
@@ -575,15 +576,7 @@ class TorchDistTrainerWeightTransferEngine(
         return "shm" if _is_loopback(master_address) else "gloo"
 
     def _rendezvous(self, init_info: TorchDistTrainerInitInfo) -> None:
-        world_size = init_info.world_size
-        if world_size is None:
-            get_world_size = getattr(self.client, "get_world_size", None)
-            if not callable(get_world_size):
-                raise ValueError(
-                    "init_info: world_size is missing and the client has no get_world_size() to ask "
-                    "the servers; set world_size = 1 + the number of inference workers"
-                )
-            world_size = 1 + int(get_world_size())
+        world_size = init_info.world_size if init_info.world_size is not None else group_world_size(self.client)
         timeout_s = self.config.timeout_s
         transport = self._transport(init_info.master_address)
         device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")

@@ -34,6 +34,7 @@ from wt_callbacks.transfer.base import (
     drain,
     dtype_from_name,
 )
+from wt_callbacks.transfer.clients import group_world_size
 
 VLLM_DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3
 VLLM_DEFAULT_PACKED_NUM_BUFFERS = 2
@@ -185,10 +186,7 @@ class NCCLTrainerWeightTransferEngine(_VLLMNativeTrainerEngine):
     def _vllm_init_kwargs(cls, config: VLLMNativeTrainerConfig, init_info: NCCLTrainerInitInfo, client: Any) -> dict[str, Any]:
         world_size = init_info.world_size
         if world_size is None and init_info.rank == 0:
-            get_world_size = getattr(client, "get_world_size", None)
-            if not callable(get_world_size):
-                raise ValueError("init_info: world_size is missing and the client cannot report the servers' world size")
-            world_size = 1 + int(get_world_size())
+            world_size = group_world_size(client)
         return {
             "master_address": init_info.master_address,
             "master_port": init_info.master_port,
