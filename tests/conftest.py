@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.support.procs import ReceiverProcess, start_receiver  # noqa: E402
+from tests.support.transfer import TIMEOUT_S, ring_files  # noqa: E402
 
 
 @pytest.fixture
@@ -24,3 +26,15 @@ def receiver_proc():
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture
+def no_ring_left_behind():
+    """Fails the test if it leaves a ring file of ours behind."""
+    before = ring_files()
+    yield
+    # A rendezvous the trainer gave up on unlinks on its own thread: bounded wait.
+    deadline = time.monotonic() + TIMEOUT_S
+    while ring_files() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not ring_files() - before

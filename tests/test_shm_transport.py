@@ -6,7 +6,6 @@ test also checks that no ring file of ours is left in /dev/shm.
 
 from __future__ import annotations
 
-import glob
 import logging
 import multiprocessing
 import os
@@ -19,7 +18,7 @@ import requests
 import torch
 
 from tests.support import models
-from tests.support.transfer import LOCAL, TIMEOUT_S, InterruptingSource, connect, receiver_checksums
+from tests.support.transfer import LOCAL, TIMEOUT_S, InterruptingSource, connect, receiver_checksums, ring_files
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
@@ -30,7 +29,6 @@ from wt_callbacks.transfer import (
 from wt_callbacks.transfer.backends.shm_ring import (
     HEARTBEAT_TIMEOUT_S,
     SHM_DIR,
-    SHM_NAME_PREFIX,
     SHM_SLOT_BYTES,
     SHM_SLOTS,
 )
@@ -45,19 +43,8 @@ PRIVATE_SHM = (
 )  # fmt: skip
 
 
-def ring_files() -> set[str]:
-    return set(glob.glob(os.path.join(SHM_DIR, SHM_NAME_PREFIX + "*")))
-
-
-@pytest.fixture(autouse=True)
-def no_ring_left_behind():
-    before = ring_files()
-    yield
-    # A rendezvous the trainer gave up on unlinks on its own thread: bounded wait.
-    deadline = time.monotonic() + TIMEOUT_S
-    while ring_files() - before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not ring_files() - before
+# Every test here also fails if it leaves a ring file of ours behind.
+pytestmark = pytest.mark.usefixtures("no_ring_left_behind")
 
 
 @pytest.fixture
@@ -172,28 +159,6 @@ def test_explicit_shm_that_a_worker_cannot_map_names_the_fix(receiver_proc, priv
     engine.send_weights("gloo")
     engine.shutdown()
     assert receiver_checksums(isolated.url) == module_checksums(model)
-
-
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
-def test_receiver_killed_mid_round_raises_within_timeout_then_a_new_receiver_syncs(receiver_proc, packed):
-    receiver = receiver_proc("tests.support.models:many_tensors")
-    model = models.many_tensors(seed=0)
-    timeout_s = 15.0
-    client, engine = connect(
-        receiver.url, InterruptingSource(model, receiver.kill), transport="shm", packed=packed,
-        packed_buffer_size_bytes=4096, timeout_s=timeout_s,
-    )  # fmt: skip
-    start = time.monotonic()
-    with pytest.raises(WeightTransferError):
-        engine.send_weights("doomed")
-    assert time.monotonic() - start < timeout_s
-    engine.shutdown()
-
-    fresh = receiver_proc("tests.support.models:many_tensors")
-    client, engine = connect(fresh.url, ModuleSource(model), transport="shm")
-    engine.send_weights("after-crash")
-    engine.shutdown()
-    assert receiver_checksums(fresh.url) == module_checksums(model)
 
 
 def _trainer_until_killed(url: str, stalled, timeout_s: float) -> None:

@@ -143,13 +143,19 @@ def test_metadata_disagreement_is_named_and_leaves_old_weights(receiver_proc):
     assert receiver_checksums(receiver.url) == module_checksums(model)
 
 
-def test_receiver_killed_mid_round_raises_within_timeout_then_recovers(receiver_proc):
+@pytest.mark.parametrize(
+    ("transport", "packed"), [("gloo", False), ("shm", True), ("shm", False)], ids=["gloo", "shm-packed", "shm-unpacked"]
+)
+def test_receiver_killed_mid_round_raises_within_timeout_then_recovers(
+    receiver_proc, no_ring_left_behind, transport, packed
+):
     receiver = receiver_proc("tests.support.models:many_tensors")
     model = models.many_tensors(seed=0)
     timeout_s = 15.0
     client, engine = connect(
-        receiver.url, InterruptingSource(model, receiver.kill), transport="gloo", packed=False, timeout_s=timeout_s
-    )
+        receiver.url, InterruptingSource(model, receiver.kill), transport=transport, packed=packed,
+        packed_buffer_size_bytes=4096, timeout_s=timeout_s,
+    )  # fmt: skip
     start = time.monotonic()
     with pytest.raises(WeightTransferError):
         engine.send_weights("doomed")
@@ -157,7 +163,7 @@ def test_receiver_killed_mid_round_raises_within_timeout_then_recovers(receiver_
     engine.shutdown()
 
     fresh = receiver_proc("tests.support.models:many_tensors")
-    client, engine = connect(fresh.url, ModuleSource(model), transport="gloo")
+    client, engine = connect(fresh.url, ModuleSource(model), transport=transport)
     engine.send_weights("after-crash")
     engine.shutdown()
     assert receiver_checksums(fresh.url) == module_checksums(model)

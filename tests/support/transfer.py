@@ -3,6 +3,8 @@ process, receivers in their own processes)."""
 
 from __future__ import annotations
 
+import glob
+import os
 from collections.abc import Callable, Iterator
 
 import requests
@@ -15,6 +17,7 @@ from wt_callbacks.transfer import (
     WeightSource,
     WeightTransferTrainerFactory,
 )
+from wt_callbacks.transfer.backends.shm_ring import SHM_DIR, SHM_NAME_PREFIX
 
 TIMEOUT_S = 30.0
 LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
@@ -22,6 +25,11 @@ LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
 
 def receiver_checksums(url: str) -> dict[str, str]:
     return requests.get(f"{url}/weight_checksums", timeout=30).json()["checksums"]
+
+
+def ring_files() -> set[str]:
+    """Our shared-memory ring files in /dev/shm."""
+    return set(glob.glob(os.path.join(SHM_DIR, SHM_NAME_PREFIX + "*")))
 
 
 def connect(urls, source: WeightSource, **config):
