@@ -91,11 +91,11 @@ def test_lazy_registration_needs_a_class_name_and_imports_on_use():
     [
         ({"pakced": True}, r"unknown key 'pakced'; did you mean 'packed'\?"),
         ({"packed": "yes"}, r"key 'packed' must be of type <class 'bool'>"),
-        ({"packed_buffer_size_bytes": 0}, r"packed_buffer_size_bytes must be > 0, got 0"),
-        ({"packed_num_buffers": -1}, r"packed_num_buffers must be > 0"),
+        ({"packed_buffer_size_bytes": 0}, r"packed_buffer_size_bytes=0 must be a positive integer"),
+        ({"packed_num_buffers": -1}, r"packed_num_buffers=-1 must be a positive integer"),
         ({"dtype": "bfloat61"}, r"dtype='bfloat61' is not a torch dtype name; did you mean 'bfloat16'\?"),
-        ({"dtype": "int8"}, r"must be a floating-point dtype"),
-        ({"timeout_s": 0}, r"timeout_s must be > 0"),
+        ({"dtype": "int8"}, r"dtype='int8': the wire dtype must be a floating-point dtype"),
+        ({"timeout_s": 0}, r"timeout_s=0 must be a positive number of seconds"),
         ({"transport": "mpi"}, r"transport='mpi' is not one of"),
         ({"backend": "nccl"}, r"backend must be 'torch_dist'"),
     ],
@@ -196,7 +196,7 @@ def test_chunk_closes_after_the_tensor_that_exceeds_the_buffer():
     assert plan_chunks([4, 5, 4], 8) == [range(0, 2), range(2, 3)]
     assert plan_chunks([20, 1, 1], 8) == [range(0, 1), range(1, 3)]  # oversized tensor alone
     assert plan_chunks([], 8) == []
-    with pytest.raises(ValueError, match="packed_buffer_size_bytes must be > 0"):
+    with pytest.raises(ValueError, match="packed_buffer_size_bytes=0 must be a positive integer"):
         plan_chunks([1], 0)
 
 

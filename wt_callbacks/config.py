@@ -35,9 +35,10 @@ from typing import Any
 
 import torch
 
-from wt_callbacks.transfer.base import dtype_from_name, dtype_name, parse_dataclass
+from wt_callbacks.transfer.base import dtype_name, parse_dataclass
 from wt_callbacks.transfer.clients import PAUSE_MODES as SERVER_PAUSE_MODES
 from wt_callbacks.transfer.factory import WeightTransferTrainerFactory
+from wt_callbacks.transfer.validation import check_positive, check_server_urls, parse_wire_dtype
 
 TRIGGER_KEYS = ("every_n_train_steps", "every_n_epochs", "train_time_interval")
 EXCLUSIVE_GROUPS = (TRIGGER_KEYS, ("servers", "ray_actors"))
@@ -53,14 +54,6 @@ def _choices_error(key: str, value: Any, choices: tuple[str, ...]) -> ValueError
     return ValueError(
         f"{key}={value!r} is not one of {choices}" + (f"; did you mean {hint[0]!r}?" if hint else "")
     )
-
-
-def _check_positive(key: str, value: Any, *, integer: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
-        raise ValueError(
-            f"{key}={value!r} must be a positive " + ("integer" if integer else "number of seconds")
-        )
 
 
 def _check_str_list(key: str, value: list[str]) -> None:
@@ -139,8 +132,8 @@ class SyncConfig:
         if isinstance(self.train_time_interval, datetime.timedelta):
             self.train_time_interval = self.train_time_interval.total_seconds()
         for key in given:
-            _check_positive(key, getattr(self, key), integer=key != "train_time_interval")
-        _check_positive("timeout_s", self.timeout_s)
+            check_positive(key, getattr(self, key), integer=key != "train_time_interval")
+        check_positive("timeout_s", self.timeout_s)
 
         available = WeightTransferTrainerFactory.available()
         if self.backend not in available:
@@ -156,16 +149,12 @@ class SyncConfig:
             _check_str_list(key, getattr(self, key))
         # Checked here, on every rank alike: only rank 0 builds the client,
         # and a rank that raises alone leaves the others waiting.
-        bad_urls = [u for u in self.servers if not u.startswith(("http://", "https://"))]
-        if bad_urls:
-            raise ValueError(f"servers: {bad_urls[0]!r} is not an http(s) URL such as 'http://127.0.0.1:8000'")
-        if len(set(self.servers)) != len(self.servers):
-            raise ValueError(f"servers: the same server is listed twice: {self.servers}")
+        check_server_urls("servers", self.servers)
 
         if isinstance(self.dtype, torch.dtype):
             self.dtype = dtype_name(self.dtype)
-        if self.dtype is not None and not dtype_from_name(self.dtype, key="dtype").is_floating_point:
-            raise ValueError(f"dtype={self.dtype!r}: the wire dtype must be a floating-point dtype such as 'bfloat16'")
+        if self.dtype is not None:
+            parse_wire_dtype(self.dtype)
         if self.pause not in PAUSE_MODES:
             raise _choices_error("pause", self.pause, PAUSE_MODES)
         if self.on_error not in ON_ERROR_MODES:

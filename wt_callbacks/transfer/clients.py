@@ -24,6 +24,7 @@ from wt_callbacks.transfer.base import (
     WeightTransferUpdatePayload,
     WeightTransferUpdateRequest,
 )
+from wt_callbacks.transfer.validation import check_positive, check_server_urls
 
 T = TypeVar("T")
 
@@ -139,13 +140,8 @@ class HTTPVLLMWeightSyncClient:
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("base_url: give at least one server URL")
-        for url in urls:
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ValueError(f"base_url: {url!r} is not an http(s) URL such as 'http://127.0.0.1:8000'")
-        if len(set(urls)) != len(urls):
-            raise ValueError(f"base_url: the same server is listed twice: {urls}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        check_server_urls("base_url", urls)
+        check_positive("timeout", timeout)
         unknown = set(timeouts or {}) - {
             n for n, v in vars(type(self)).items() if not n.startswith("_") and callable(v)
         }

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from wt_callbacks.transfer.validation import check_positive
+
 Broadcast = Callable[[torch.Tensor], Any]
 BroadcastParts = Callable[[list[torch.Tensor]], Any]
 Wait = Callable[[Any], None]
@@ -34,8 +36,7 @@ Wait = Callable[[Any], None]
 
 def plan_chunks(nbytes: Sequence[int], buffer_size_bytes: int) -> list[range]:
     """Index ranges of the chunks for tensors of the given byte sizes."""
-    if buffer_size_bytes <= 0:
-        raise ValueError(f"packed_buffer_size_bytes must be > 0, got {buffer_size_bytes}")
+    check_positive("packed_buffer_size_bytes", buffer_size_bytes, integer=True)
     chunks: list[range] = []
     start, total = 0, 0
     for i, n in enumerate(nbytes):

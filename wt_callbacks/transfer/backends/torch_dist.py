@@ -69,6 +69,7 @@ from wt_callbacks.transfer.base import (
 from wt_callbacks.transfer.backends.shm_ring import ShmRing, join_ring, offer_ring
 from wt_callbacks.transfer.clients import group_world_size
 from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, receive_packed, slot_capacities
+from wt_callbacks.transfer.validation import check_positive, parse_wire_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +91,6 @@ _STORE_PREFIX = "wt_callbacks/torch_dist"
 # --------------------------------------------------------------------------- #
 # Typed config and wire dicts
 # --------------------------------------------------------------------------- #
-
-
-def _check_positive(**values: float) -> None:
-    for key, value in values.items():
-        if value <= 0:
-            raise ValueError(f"{key} must be > 0, got {value}")
 
 
 @dataclass
@@ -141,21 +136,17 @@ class TorchDistTrainerConfig(WeightTransferConfig):
     def __post_init__(self) -> None:
         if self.backend != BACKEND:
             raise ValueError(f"backend must be {BACKEND!r} for this config, got {self.backend!r}")
-        _check_positive(
-            packed_buffer_size_bytes=self.packed_buffer_size_bytes,
-            packed_num_buffers=self.packed_num_buffers,
-            timeout_s=self.timeout_s,
-        )
+        check_positive("packed_buffer_size_bytes", self.packed_buffer_size_bytes, integer=True)
+        check_positive("packed_num_buffers", self.packed_num_buffers, integer=True)
+        check_positive("timeout_s", self.timeout_s)
         if self.dtype is not None:
-            wire = dtype_from_name(self.dtype, key="dtype")
-            if not wire.is_floating_point:
-                raise ValueError(f"dtype={self.dtype!r}: the wire dtype must be a floating-point dtype")
+            parse_wire_dtype(self.dtype)
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
-        return None if self.dtype is None else dtype_from_name(self.dtype)
+        return None if self.dtype is None else parse_wire_dtype(self.dtype)
 
 
 @dataclass
@@ -219,11 +210,9 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
             raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer), got {self.rank_offset}")
         if self.world_size < 2:
             raise ValueError(f"world_size must be >= 2, got {self.world_size}")
-        _check_positive(
-            packed_buffer_size_bytes=self.packed_buffer_size_bytes,
-            packed_num_buffers=self.packed_num_buffers,
-            timeout_s=self.timeout_s,
-        )
+        check_positive("packed_buffer_size_bytes", self.packed_buffer_size_bytes, integer=True)
+        check_positive("packed_num_buffers", self.packed_num_buffers, integer=True)
+        check_positive("timeout_s", self.timeout_s)
         if self.transport not in WORKER_TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of {WORKER_TRANSPORTS}")
 

@@ -35,6 +35,7 @@ from wt_callbacks.transfer.base import (
     dtype_from_name,
 )
 from wt_callbacks.transfer.clients import group_world_size
+from wt_callbacks.transfer.validation import check_positive, parse_wire_dtype
 
 VLLM_DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3
 VLLM_DEFAULT_PACKED_NUM_BUFFERS = 2
@@ -54,10 +55,9 @@ class VLLMNativeTrainerConfig(WeightTransferConfig):
         if self.backend not in ("nccl", "ipc"):
             raise ValueError(f"backend must be 'nccl' or 'ipc' for this config, got {self.backend!r}")
         for key in ("packed_buffer_size_bytes", "packed_num_buffers"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
-        if self.dtype is not None and not dtype_from_name(self.dtype).is_floating_point:
-            raise ValueError(f"dtype={self.dtype!r}: the wire dtype must be a floating-point dtype")
+            check_positive(key, getattr(self, key), integer=True)
+        if self.dtype is not None:
+            parse_wire_dtype(self.dtype)
 
 
 @dataclass

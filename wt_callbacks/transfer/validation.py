@@ -1,0 +1,43 @@
+"""Checks of values that several configs take, each with one error message.
+
+The trainer's ``SyncConfig``, the backends' configs and init dicts, and the
+HTTP client all accept some of the same kinds of value; checking each kind
+here keeps the rule and the message that names the key to fix the same
+wherever the value is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from wt_callbacks.transfer.base import dtype_from_name
+
+
+def check_positive(key: str, value: Any, *, integer: bool = False) -> None:
+    """``value`` must be a number > 0 (an ``int`` if ``integer``; otherwise seconds)."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+        raise ValueError(
+            f"{key}={value!r} must be a positive " + ("integer" if integer else "number of seconds")
+        )
+
+
+def parse_wire_dtype(name: str, *, key: str = "dtype") -> torch.dtype:
+    """The floating-point dtype named ``name``, the only kind a wire dtype may be
+    (integer parameters always travel in their own dtype)."""
+    dtype = dtype_from_name(name, key=key)
+    if not dtype.is_floating_point:
+        raise ValueError(f"{key}={name!r}: the wire dtype must be a floating-point dtype such as 'bfloat16'")
+    return dtype
+
+
+def check_server_urls(key: str, urls: Sequence[Any]) -> None:
+    """Every entry is an ``http(s)://`` base URL, none listed twice."""
+    for url in urls:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"{key}: {url!r} is not an http(s) URL such as 'http://127.0.0.1:8000'")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"{key}: the same server is listed twice: {list(urls)}")
