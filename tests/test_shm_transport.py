@@ -26,7 +26,7 @@ from wt_callbacks.transfer import (
     WeightTransferError,
     WeightTransferTrainerFactory,
 )
-from wt_callbacks.transfer.backends.shm_ring import (
+from wt_callbacks.transfer.backends.torch_dist.shm_ring import (
     HEARTBEAT_TIMEOUT_S,
     SHM_DIR,
     SHM_SLOT_BYTES,
@@ -132,7 +132,7 @@ def test_auto_falls_back_to_gloo_when_a_worker_cannot_map_the_ring(receiver_proc
     shared = receiver_proc()
     isolated = receiver_proc(wrapper=private_shm)
     model = models.tiny_mlp(seed=0)
-    with caplog.at_level(logging.WARNING, logger="wt_callbacks.transfer.backends.shm_ring"):
+    with caplog.at_level(logging.WARNING, logger="wt_callbacks.transfer.backends.torch_dist.shm_ring"):
         client, engine = connect([shared.url, isolated.url], ModuleSource(model))
     try:
         assert engine.worker_init_info["transport"] == "shm"

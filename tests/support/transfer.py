@@ -17,7 +17,7 @@ from wt_callbacks.transfer import (
     WeightSource,
     WeightTransferTrainerFactory,
 )
-from wt_callbacks.transfer.backends.shm_ring import SHM_DIR, SHM_NAME_PREFIX
+from wt_callbacks.transfer.backends.torch_dist.shm_ring import SHM_DIR, SHM_NAME_PREFIX
 
 TIMEOUT_S = 30.0
 LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}

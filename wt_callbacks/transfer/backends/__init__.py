@@ -1,1 +1,1 @@
-"""One module per backend; each holds its trainer engine and its worker engine."""
+"""One module or package per backend; each holds its trainer engine and its worker engine."""

@@ -1,0 +1,313 @@
+"""The trainer engine of ``torch_dist``: rendezvous, then one packed broadcast per round."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, is_loopback, open_store
+from wt_callbacks.transfer.backends.torch_dist.waits import in_daemon_thread, raise_if_failed, wait_for_work
+from wt_callbacks.transfer.backends.torch_dist.wire import (
+    TorchDistTrainerConfig,
+    TorchDistTrainerInitInfo,
+    update_info_for,
+)
+from wt_callbacks.transfer.base import (
+    ParamMeta,
+    TrainerWeightTransferEngine,
+    TransferStats,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferError,
+    drain,
+    dtype_name,
+    finish_with_version,
+)
+from wt_callbacks.transfer.clients import group_world_size
+from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, slot_capacities
+
+logger = logging.getLogger(__name__)
+
+
+class _TimedIterator:
+    """Iterates a source, timing the time spent producing tensors (the gathers)."""
+
+    def __init__(self, source: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._it = iter(source)
+        self.seconds = 0.0
+        self.count = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            item = next(self._it)
+        finally:
+            self.seconds += time.perf_counter() - t0
+        self.count += 1
+        return item
+
+
+
+def _checked(items: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> Iterator[torch.Tensor]:
+    """Yield tensors, raising on the first disagreement with ``metadata()``.
+
+    The receivers sized their buffers and chunk cuts from the metadata; a
+    tensor that differs would corrupt every tensor after it.
+    """
+    i = -1
+    for i, (name, tensor) in enumerate(items):
+        if i >= len(metas):
+            raise ValueError(
+                f"the weight source yielded more tensors than metadata() lists ({len(metas)}); "
+                f"first extra: {name!r}"
+            )
+        m = metas[i]
+        if name != m.name or tensor.dtype != m.dtype or tuple(tensor.shape) != m.shape:
+            raise ValueError(
+                f"the weight source disagrees with its metadata() at index {i}: metadata says "
+                f"{m.name!r} {dtype_name(m.dtype)} {list(m.shape)}, iteration yielded "
+                f"{name!r} {dtype_name(tensor.dtype)} {list(tensor.shape)}"
+            )
+        yield tensor
+    if i + 1 != len(metas):
+        raise ValueError(
+            f"the weight source yielded {i + 1} tensors but metadata() lists {len(metas)}; "
+            f"first missing: {metas[i + 1].name!r}"
+        )
+
+
+class TorchDistTrainerWeightTransferEngine(
+    TrainerWeightTransferEngine[TorchDistTrainerConfig, TorchDistTrainerInitInfo]
+):
+    """Trainer engine of ``torch_dist``; see the package docstring.
+
+    ``send_weights`` on the sender: ``start_weight_update``, then
+    ``update_weights`` on a thread while the main thread gathers, packs and
+    broadcasts, then ``finish_weight_update`` with the round's version. Any
+    failure marks the engine unusable (the group is out of step): shut it down
+    and build a new one. Before raising, the sender finishes iterating the
+    source so the other trainer ranks' gathers complete: a dead server never
+    deadlocks the trainer.
+    """
+
+    init_info_cls = TorchDistTrainerInitInfo
+    config_cls = TorchDistTrainerConfig
+
+    def __init__(
+        self,
+        config: TorchDistTrainerConfig,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+        is_sender: bool = True,
+    ) -> None:
+        super().__init__(config, client=client, source=source.with_wire_dtype(config.wire_dtype), is_sender=is_sender)
+        self.group: TransferGroup | None = None
+        self.worker_init_info: dict[str, Any] | None = None
+        self._failure: str | None = None
+        self._pack_buffers: list[torch.Tensor] = []
+
+    @classmethod
+    def trainer_init(
+        cls,
+        config: TorchDistTrainerConfig | Mapping[str, Any],
+        init_info: TorchDistTrainerInitInfo | Mapping[str, Any],
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+    ) -> TorchDistTrainerWeightTransferEngine:
+        config = cls.parse_config(config)
+        init_info = cls.parse_init_info(init_info)
+        if not isinstance(source, WeightSource):
+            raise ValueError(f"source must be a WeightSource (e.g. ModuleSource(model)), got {type(source).__name__}")
+        if not isinstance(client, VLLMWeightSyncClient):
+            raise ValueError(
+                f"client {type(client).__name__} does not implement VLLMWeightSyncClient "
+                "(init_weight_transfer_engine, start_weight_update, update_weights, finish_weight_update)"
+            )
+        engine = cls(config, client=client, source=source, is_sender=init_info.is_sender)
+        if engine.is_sender:
+            engine._rendezvous(init_info)
+        return engine
+
+    def _transport(self, master_address: str) -> str:
+        if self.config.transport != "auto":
+            return self.config.transport
+        if torch.cuda.is_available():
+            return "nccl"
+        # A worker can reach a loopback master only from this host, so the
+        # ring is worth offering; the negotiation still checks each worker
+        # shares this /dev/shm (a container may not).
+        return "shm" if is_loopback(master_address) else "gloo"
+
+    def _rendezvous(self, init_info: TorchDistTrainerInitInfo) -> None:
+        world_size = init_info.world_size if init_info.world_size is not None else group_world_size(self.client)
+        timeout_s = self.config.timeout_s
+        transport = self._transport(init_info.master_address)
+        device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
+        store = open_store(init_info.master_address, init_info.master_port, world_size, is_master=True, timeout_s=timeout_s)
+        self.worker_init_info = {
+            "master_address": init_info.master_address,
+            "master_port": store.port,
+            "rank_offset": 1,
+            "world_size": world_size,
+            "packed": self.config.packed,
+            "packed_buffer_size_bytes": self.config.packed_buffer_size_bytes,
+            "packed_num_buffers": self.config.packed_num_buffers,
+            "timeout_s": timeout_s,
+            "transport": transport,
+        }
+        payload = dict(self.worker_init_info)
+        server_call = in_daemon_thread(lambda: self.client.init_weight_transfer_engine(payload), "wt-init")
+        joined = in_daemon_thread(
+            lambda: TransferGroup.connect(
+                store,
+                master_address=init_info.master_address,
+                rank=0,
+                world_size=world_size,
+                timeout_s=timeout_s,
+                transport=transport,
+                device=device,
+                fallback_to_gloo=self.config.transport == "auto",
+            ),
+            "wt-rendezvous",
+        )
+        try:
+            # The join may take timeout_s for the group and again for the ring.
+            deadline = time.monotonic() + 2 * timeout_s + 5
+            while not (joined.done() and server_call.done()):
+                raise_if_failed(server_call, "init_weight_transfer_engine")
+                if joined.done() and joined.exception() is not None:
+                    raise joined.exception()
+                if time.monotonic() > deadline:
+                    raise WeightTransferError(
+                        f"rendezvous with the servers did not finish within timeout_s={timeout_s:g}"
+                    )
+                time.sleep(0.01)
+            raise_if_failed(server_call, "init_weight_transfer_engine")
+        except BaseException:
+            # A group the join still forms after we gave up has no owner: it
+            # would keep its store port, ring and heartbeat alive for good.
+            joined.add_done_callback(lambda f: f.exception() is None and f.result().destroy())
+            raise
+        self.group = joined.result()
+        logger.info(
+            "torch_dist: %s group of %d ranks formed on %s:%d",
+            self.group.transport, world_size, init_info.master_address, store.port,
+        )
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        if self._failure is not None:
+            raise WeightTransferError(
+                f"this engine failed in an earlier round ({self._failure}); call shutdown() and "
+                "create a new engine with trainer_init"
+            )
+        start = time.perf_counter()
+        metas = self.source.metadata()
+        items = _TimedIterator(self.source)
+        sent = 0
+        try:
+            if self.is_sender:
+                sent = self._send_round(items, metas, weight_version)
+            else:
+                for _ in items:
+                    pass
+        except BaseException as e:
+            self._failure = f"{type(e).__name__}: {e}"
+            drain(items)
+            raise
+        finally:
+            self.last_stats = TransferStats(
+                bytes=sent, tensors=items.count, seconds=time.perf_counter() - start, gather_seconds=items.seconds
+            )
+
+    def _send_round(self, items: _TimedIterator, metas: list[ParamMeta], weight_version: str | None) -> int:
+        if self.group is None:
+            raise WeightTransferError("the engine has no transfer group: it was shut down; create a new one")
+        self.client.start_weight_update()
+        update_info = update_info_for(metas)
+        server_call = in_daemon_thread(lambda: self.client.update_weights(update_info), "wt-update")
+        try:
+            sent = self._broadcast(_checked(items, metas), metas, server_call)
+        except BaseException:
+            self._abandon_round(server_call)
+            raise
+        finish_with_version(self.client, weight_version)
+        return sent
+
+    def _broadcast(self, tensors: Iterator[torch.Tensor], metas: list[ParamMeta], server_call: Future) -> int:
+        """Stream the tensors, then wait for the servers to confirm the update."""
+        timeout_s = self.config.timeout_s
+        assert self.group is not None
+        group = self.group
+
+        def wait(work: Any) -> None:
+            wait_for_work(work, timeout_s=timeout_s, server_call=server_call)
+
+        if self.config.packed:
+            sizes = [m.nbytes for m in metas]
+            chunks = plan_chunks(sizes, self.config.packed_buffer_size_bytes)
+            sent = broadcast_packed(
+                tensors,
+                buffer_size_bytes=self.config.packed_buffer_size_bytes,
+                num_buffers=self.config.packed_num_buffers,
+                broadcast=group.broadcast,
+                wait=wait,
+                capacity_hint=slot_capacities(sizes, chunks, self.config.packed_num_buffers),
+                device=group.device,
+                # On a GPU the caching allocator already reuses freed blocks;
+                # keeping them would pin memory the training step wants.
+                buffers=self._pack_buffers if self.config.reuse_buffers and group.device.type == "cpu" else None,
+                broadcast_parts=group.broadcast_parts,
+            )
+        else:
+            sent = 0
+            for tensor in tensors:
+                tensor = tensor.to(group.device).contiguous()
+                wait(group.broadcast(tensor))
+                sent += tensor.numel() * tensor.element_size()
+        try:
+            server_call.result(timeout=timeout_s)
+        except FutureTimeout as e:
+            raise WeightTransferError(
+                f"the servers did not confirm update_weights within timeout_s={timeout_s:g}"
+            ) from e
+        except Exception as e:
+            raise WeightTransferError(f"update_weights failed on the server: {e}") from e
+        return sent
+
+    def _abandon_round(self, server_call: Future) -> None:
+        """Leave a failed round so that no server stays stuck in it.
+
+        Leaving the group first makes a server still receiving fail at once
+        instead of at its timeout. Then a plain finish ends any session that
+        is still open (a server whose start succeeded while another's failed,
+        or whose update never arrived): otherwise its next start is refused
+        as "already active", and vLLM would serve from the meta tensors of an
+        unfinished layerwise reload. Finishing with nothing loaded keeps the
+        old weights. Best effort: the round's own error is what gets raised.
+        """
+        self.shutdown()
+        try:
+            server_call.exception(timeout=min(self.config.timeout_s, 10.0))
+        except FutureTimeout:
+            pass
+        try:
+            self.client.finish_weight_update()
+        except Exception as e:  # noqa: BLE001 - expected when the update already ended the session
+            logger.debug("finish after a failed round: %s", e)
+
+    def shutdown(self) -> None:
+        self._pack_buffers.clear()
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None

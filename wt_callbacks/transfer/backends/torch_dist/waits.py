@@ -1,0 +1,69 @@
+"""Bounded waits of a ``torch_dist`` round: server calls on daemon threads, broadcasts polled.
+
+While the trainer broadcasts, the servers' ``init_weight_transfer_engine`` /
+``update_weights`` HTTP calls are in flight on other threads; every wait here
+also watches that call, so a server that refuses fails the round at once
+instead of at ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from wt_callbacks.transfer.base import WeightTransferError
+
+def in_daemon_thread(fn: Callable[[], Any], name: str) -> Future:
+    """Run ``fn`` on a daemon thread: a server call stuck past our timeout
+    must not keep the training process alive at exit."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def raise_if_failed(future: Future | None, what: str) -> None:
+    if future is not None and future.done() and future.exception() is not None:
+        raise WeightTransferError(f"{what} failed on the server: {future.exception()}") from future.exception()
+
+
+def wait_for_work(work: Any, *, timeout_s: float, server_call: Future | None = None) -> None:
+    """Wait for a collective, checking the concurrent server call meanwhile.
+
+    A server that rejects the update (unknown name, wrong shape) answers its
+    HTTP call with an error and stops receiving; polling that call turns what
+    would be a wait until the timeout into an immediate, explicit error.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = 5e-5
+    while not work.is_completed():
+        raise_if_failed(server_call, "update_weights")
+        if time.monotonic() > deadline:
+            raise WeightTransferError(f"broadcast did not complete within timeout_s={timeout_s:g}")
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)
+    try:
+        work.wait()
+    except RuntimeError as e:
+        # A server that refused the update leaves the group, so our broadcast
+        # fails too; its own answer says why, the socket error does not.
+        if server_call is not None:
+            try:
+                server_error = server_call.exception(timeout=5)
+            except FutureTimeout:
+                server_error = None
+            if server_error is not None:
+                raise WeightTransferError(f"update_weights failed on the server: {server_error}") from e
+        raise WeightTransferError(f"broadcast to the servers failed (did a server crash?): {e}") from e

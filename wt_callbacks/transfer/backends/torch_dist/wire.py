@@ -1,0 +1,187 @@
+"""The wire format of ``torch_dist``: the typed configs and the dicts trainer and workers exchange.
+
+The dicts are those of vLLM's dense ``nccl`` backend (worker init_info
+``master_address, master_port, rank_offset, world_size, packed,
+packed_buffer_size_bytes, packed_num_buffers``; update_info ``names,
+dtype_names, shapes``) plus ``timeout_s`` and ``transport`` (``"gloo"``,
+``"nccl"`` or ``"shm"``), so moving to stock vLLM later is a config change.
+Dtype names are torch attribute names (``"bfloat16"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from wt_callbacks.transfer.base import (
+    ParamMeta,
+    WeightTransferConfig,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    dtype_from_name,
+    dtype_name,
+)
+from wt_callbacks.transfer.validation import check_positive, parse_wire_dtype
+
+BACKEND = "torch_dist"
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 64 * 1024 * 1024
+"""Trainer default: 64 MiB chunks. Smaller chunks pipeline better (the receiver
+loads chunk k while chunk k+1 is on the wire) and bound memory lower; on this
+CPU box 64 MiB was as fast as 256 MiB to the reference receiver and faster
+into vLLM (see benchmarks/)."""
+WORKER_DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3
+"""vLLM's worker-side default, kept for wire compatibility."""
+DEFAULT_PACKED_NUM_BUFFERS = 2
+DEFAULT_TIMEOUT_S = 300.0
+TRANSPORTS = ("auto", "gloo", "nccl", "shm")
+WORKER_TRANSPORTS = ("gloo", "nccl", "shm")
+
+
+@dataclass
+class TorchDistTrainerConfig(WeightTransferConfig):
+    """Trainer-side settings of the ``torch_dist`` backend.
+
+    Attributes:
+        packed: broadcast many tensors per collective (recommended); ``False``
+            sends one collective per tensor.
+        packed_buffer_size_bytes: target chunk size.
+        packed_num_buffers: buffers rotated while packing (2 = pack the next
+            chunk while the previous one is on the wire).
+        dtype: wire dtype name for floating-point parameters (``"bfloat16"``);
+            ``None`` sends each parameter in its own dtype. The cast happens
+            before any FSDP gather.
+        timeout_s: bound on every wait (rendezvous, each broadcast, each
+            server call); also sent to the workers.
+        transport: ``"auto"`` (NCCL when the trainer has CUDA; else
+            ``"shm"`` with a fallback to gloo when ``master_address`` is a
+            loopback address; else gloo), ``"gloo"``, ``"nccl"`` or
+            ``"shm"`` (gloo group, broadcasts through a ring in ``/dev/shm``;
+            every server must run on this host and share its ``/dev/shm``,
+            or the rendezvous fails naming the fix). How the ranks agree on
+            the ring, and the fallback: see ``shm_ring``.
+        reuse_buffers: keep the packing buffers between rounds (host memory
+            only; on a GPU the caching allocator reuses freed blocks anyway).
+            Fresh host memory is page-faulted on first touch, which costs more
+            than the copy into it; keeping them costs the ``packed_num_buffers``
+            buffers of memory while the trainer is not syncing.
+    """
+
+    backend: str = BACKEND
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    dtype: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    transport: str = "auto"
+    reuse_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend != BACKEND:
+            raise ValueError(f"backend must be {BACKEND!r} for this config, got {self.backend!r}")
+        check_positive("packed_buffer_size_bytes", self.packed_buffer_size_bytes, integer=True)
+        check_positive("packed_num_buffers", self.packed_num_buffers, integer=True)
+        check_positive("timeout_s", self.timeout_s)
+        if self.dtype is not None:
+            parse_wire_dtype(self.dtype)
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        return None if self.dtype is None else parse_wire_dtype(self.dtype)
+
+
+@dataclass
+class TorchDistTrainerInitInfo(WeightTransferInitInfo):
+    """Trainer-side rendezvous info.
+
+    Attributes:
+        master_address: address the trainer (rank 0) listens on and the
+            workers connect to; it must be reachable from the servers.
+        master_port: port for the rendezvous store; ``0`` picks a free one.
+        rank: this process's trainer rank; rank 0 is the sender.
+        world_size: 1 + all inference workers; when omitted, the sender asks
+            the client (``get_world_size()``) and adds 1.
+    """
+
+    master_address: str
+    master_port: int
+    rank: int
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in 0..65535, got {self.master_port}")
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if self.world_size is not None and self.world_size < 2:
+            raise ValueError(
+                f"world_size must be >= 2 (the trainer plus at least one worker), got {self.world_size}"
+            )
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(kw_only=True)
+class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
+    """Worker-side init dict (vLLM's dense NCCL keys + ``timeout_s``, ``transport``).
+
+    ``transport``: ``"gloo"``, ``"nccl"`` or ``"shm"`` (the gloo group, then
+    the ring's negotiation: see ``shm_ring``).
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    packed: bool = False
+    packed_buffer_size_bytes: int = WORKER_DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    transport: str = "gloo"
+
+    def __post_init__(self) -> None:
+        if self.rank_offset < 1:
+            raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer), got {self.rank_offset}")
+        if self.world_size < 2:
+            raise ValueError(f"world_size must be >= 2, got {self.world_size}")
+        check_positive("packed_buffer_size_bytes", self.packed_buffer_size_bytes, integer=True)
+        check_positive("packed_num_buffers", self.packed_num_buffers, integer=True)
+        check_positive("timeout_s", self.timeout_s)
+        if self.transport not in WORKER_TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is not one of {WORKER_TRANSPORTS}")
+
+
+@dataclass
+class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """Per-round update dict: the tensors that follow on the wire, in order."""
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(
+                f"names, dtype_names and shapes must have equal lengths, got "
+                f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}"
+            )
+        self.dtypes = [dtype_from_name(n, key=f"dtype_names[{i}]") for i, n in enumerate(self.dtype_names)]
+        for i, shape in enumerate(self.shapes):
+            if not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError(f"shapes[{i}] ({self.names[i]}) must be non-negative ints, got {shape}")
+
+
+def update_info_for(metas: Iterable[ParamMeta]) -> dict[str, Any]:
+    """The JSON update dict describing ``metas``."""
+    metas = list(metas)
+    return {
+        "names": [m.name for m in metas],
+        "dtype_names": [dtype_name(m.dtype) for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+    }

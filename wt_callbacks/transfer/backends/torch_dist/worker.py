@@ -1,0 +1,160 @@
+"""The worker engine of ``torch_dist``: joins the trainer's group, receives, loads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, open_store
+from wt_callbacks.transfer.backends.torch_dist.wire import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    TorchDistWeightTransferInitInfo,
+    TorchDistWeightTransferUpdateInfo,
+)
+from wt_callbacks.transfer.base import WeightTransferConfig, WeightTransferEngine
+from wt_callbacks.transfer.packing import broadcast_packed, receive_packed
+
+
+class TorchDistWeightTransferEngine(
+    WeightTransferEngine[TorchDistWeightTransferInitInfo, TorchDistWeightTransferUpdateInfo]
+):
+    """Worker engine of ``torch_dist``: joins the group, receives, loads.
+
+    Weights are handed to ``self.model.load_weights`` as one streaming
+    iterable of ``(name, tensor)`` per round. If the target has
+    ``validate_update(names, dtypes, shapes)`` it is called before anything is
+    received, so a mismatched model is refused before the trainer starts
+    streaming. Any receive error leaves the group (so the trainer fails at
+    once instead of at its timeout); the trainer then re-initializes.
+    """
+
+    init_info_cls = TorchDistWeightTransferInitInfo
+    update_info_cls = TorchDistWeightTransferUpdateInfo
+
+    def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: TransferGroup | None = None
+        self.init_info: TorchDistWeightTransferInitInfo | None = None
+        # Host memory only: receive buffers kept between rounds spare the page
+        # faults of fresh memory. Not on a GPU, where they would pin a copy of
+        # the model in device memory.
+        self._receive_buffers: list[torch.Tensor] | None = [] if device.type == "cpu" else None
+
+    def worker_rank(self, init_info: TorchDistWeightTransferInitInfo) -> int:
+        pc = self.parallel_config
+        return init_info.rank_offset + getattr(pc, "data_parallel_index", 0) * pc.world_size + pc.rank
+
+    def init_transfer_engine(self, init_info: TorchDistWeightTransferInitInfo) -> None:
+        self.shutdown()
+        rank = self.worker_rank(init_info)
+        if not 0 < rank < init_info.world_size:
+            raise ValueError(
+                f"worker rank {rank} (rank_offset {init_info.rank_offset}) is outside the group of "
+                f"world_size={init_info.world_size}; world_size must be 1 + all inference workers"
+            )
+        if init_info.transport == "nccl" and self.device.type != "cuda":
+            raise ValueError(f"transport='nccl' needs a CUDA device; this worker runs on {self.device}")
+        store = open_store(
+            init_info.master_address,
+            init_info.master_port,
+            init_info.world_size,
+            is_master=False,
+            timeout_s=init_info.timeout_s,
+        )
+        self.group = TransferGroup.connect(
+            store,
+            master_address=init_info.master_address,
+            rank=rank,
+            world_size=init_info.world_size,
+            timeout_s=init_info.timeout_s,
+            transport=init_info.transport,
+            device=self.device if init_info.transport == "nccl" else torch.device("cpu"),
+        )
+        self.init_info = init_info
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: the reference receiver stages in its target,
+        the vLLM plugin adds layerwise reload here."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing to finalize (see ``start_weight_update``)."""
+
+    def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+        if self.group is None or self.init_info is None:
+            raise RuntimeError("init_weight_transfer_engine must be called before update_weights")
+        validate = getattr(self.model, "validate_update", None)
+        if callable(validate):
+            try:
+                validate(update_info.names, update_info.dtypes, [tuple(s) for s in update_info.shapes])
+            except Exception:
+                self.shutdown()
+                raise
+        info, group = self.init_info, self.group
+        wait = lambda work: work.wait()  # noqa: E731 - the transport's own timeouts bound it
+        metas = list(zip(update_info.dtypes, update_info.shapes))
+        if info.packed:
+            tensors = receive_packed(
+                metas,
+                buffer_size_bytes=info.packed_buffer_size_bytes,
+                num_buffers=info.packed_num_buffers,
+                broadcast=group.broadcast,
+                wait=wait,
+                device=group.device,
+                buffers=self._receive_buffers if group.device.type == "cpu" else None,
+            )
+        else:
+            tensors = self._receive_unpacked(metas)
+        weights = zip(update_info.names, tensors)
+        try:
+            self.model.load_weights(weights)
+            for _ in weights:  # what load_weights skipped must still come off the wire
+                pass
+        except Exception:
+            self.shutdown()
+            raise
+
+    def _receive_unpacked(self, metas: list[tuple[torch.dtype, list[int]]]) -> Iterator[torch.Tensor]:
+        assert self.group is not None
+        for dtype, shape in metas:
+            tensor = torch.empty(tuple(shape), dtype=dtype, device=self.group.device)
+            self.group.broadcast(tensor).wait()
+            yield tensor
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        self.init_info = None
+        if self._receive_buffers is not None:
+            self._receive_buffers.clear()
+
+    @staticmethod
+    def trainer_send_weights(iterator: Iterator[Any], trainer_args: dict[str, Any] | Any) -> None:
+        """Older call style: broadcast ``(name, tensor)`` items over a group.
+
+        ``trainer_args``: ``{"group": TransferGroup | ProcessGroup, "packed":
+        bool, "packed_buffer_size_bytes": int, "packed_num_buffers": int}``;
+        the receivers must have been told the same names/dtypes/shapes through
+        ``update_weights``.
+        """
+        args = dict(trainer_args) if isinstance(trainer_args, Mapping) else vars(trainer_args)
+        group = args.get("group")
+        if group is None:
+            raise ValueError("trainer_args: missing required key 'group'")
+        broadcast = group.broadcast if isinstance(group, TransferGroup) else (lambda t: group.broadcast(t, args.get("src", 0)))
+        tensors = (tensor for _, tensor in iterator)
+        if args.get("packed", True):
+            broadcast_packed(
+                tensors,
+                buffer_size_bytes=int(args.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)),
+                num_buffers=int(args.get("packed_num_buffers", DEFAULT_PACKED_NUM_BUFFERS)),
+                broadcast=broadcast,
+                wait=lambda work: work.wait(),
+            )
+        else:
+            for tensor in tensors:
+                broadcast(tensor.contiguous()).wait()
+
