@@ -1,0 +1,3 @@
+from wt_callbacks.receiver.cli import main
+
+main()

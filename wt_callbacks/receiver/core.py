@@ -1,0 +1,250 @@
+"""The receiver's core: one model, its worker engine and the weight-update lifecycle.
+
+Beyond vLLM it reports ``updates_completed`` and ``version_history``
+(``weight_info``) and sha256 checksums per parameter (``weight_checksums``),
+so a test can prove a sync was bitwise exact. Updates are transactional:
+``StagedWeights`` keeps a round's tensors and copies them into the model only
+when ``finish_weight_update`` succeeds, so an interrupted round leaves the old
+weights in place. ``reload_weights`` is vLLM's reload-from-disk alternative
+to pushing. The HTTP app and the Ray actor are thin fronts over
+``ReceiverCore``.
+"""
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from wt_callbacks.checksums import module_checksums
+from wt_callbacks.transfer.base import WeightTransferConfig, WeightTransferUpdatePayload, dtype_name
+from wt_callbacks.transfer.factory import WeightTransferEngineFactory
+
+COMPLETION_PAUSE_WAIT_S = 300.0
+"""How long a completion request waits for a paused receiver to resume."""
+
+
+class StagedWeights:
+    """Weight-update target that stages a round and applies it on commit.
+
+    Given to the worker engine through ``set_weight_update_target``: the
+    engine calls ``validate_update`` before receiving and ``load_weights``
+    while receiving, exactly as it would call a vLLM model.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._params = dict(model.named_parameters())
+        self._staged: dict[str, torch.Tensor] = {}
+
+    def validate_update(
+        self, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[tuple[int, ...]]
+    ) -> None:
+        unknown = [n for n in names if n not in self._params]
+        if unknown:
+            raise ValueError(
+                f"{len(unknown)} parameter name(s) not in the served model, e.g. {unknown[:3]}; "
+                f"the model has e.g. {list(self._params)[:3]}. Check the trainer's module / name "
+                "prefixes (select the submodule that holds the checkpoint)"
+            )
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            param = self._params[name]
+            if tuple(param.shape) != tuple(shape):
+                raise ValueError(
+                    f"shape mismatch for {name!r}: trainer sends {list(shape)}, the served model has "
+                    f"{list(param.shape)}"
+                )
+            if dtype.is_floating_point != param.dtype.is_floating_point:
+                raise ValueError(
+                    f"dtype mismatch for {name!r}: trainer sends {dtype_name(dtype)}, the served "
+                    f"model has {dtype_name(param.dtype)}"
+                )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            param = self._params.get(name)
+            if param is None:
+                raise ValueError(f"parameter {name!r} is not in the served model")
+            # Received tensors are views into the round's receive buffers:
+            # staging keeps them as they are. A wire dtype other than the
+            # model's is converted by ``copy_`` at commit, in the same pass as
+            # the copy, rather than into a fresh model-sized allocation here.
+            self._staged[name] = tensor
+
+    def commit(self) -> None:
+        with torch.no_grad():
+            for name, tensor in self._staged.items():
+                self._params[name].copy_(tensor)
+        self._staged.clear()
+
+
+def _host_config(world_size: int = 1) -> SimpleNamespace:
+    """The slice of vLLM's ``VllmConfig`` a worker engine reads."""
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_index=0, world_size=world_size, rank=0),
+        model_config=None,
+    )
+
+
+class ReceiverCore:
+    """Lifecycle of weight updates around one model (shared by HTTP and Ray).
+
+    Misuse answers as vLLM does: update or finish without start, and a second
+    start, raise ``RuntimeError``; a failed update ends the session.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, backend: str = "torch_dist", tokenizer: Any = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend=backend), _host_config(), device, model
+        )
+        self.weight_version = "default"
+        self.version_history: list[str] = []
+        self.updates_completed = 0
+        self._stage: StagedWeights | None = None
+        # One weight operation at a time, as vLLM's engine core runs them;
+        # generation takes it too, so it never sees a half-applied round.
+        self._lock = threading.Lock()
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
+
+    def pause(self) -> None:
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        self._unpaused.set()
+
+    def complete(self, prompts: Sequence[str], max_tokens: int, logprobs: bool) -> list[dict[str, Any]]:
+        """Greedy completions (what the quickstart and tests ask a server for).
+
+        Refused while paused: the HTTP route waits out a pause before calling
+        this (vLLM's ``keep``/``wait`` behaviour for new requests).
+        """
+        if self.tokenizer is None or not callable(getattr(self.model, "generate", None)):
+            raise ValueError("this receiver serves no completions: it needs a transformers model and tokenizer")
+        if self.paused:
+            raise TimeoutError(f"generation stayed paused for more than {COMPLETION_PAUSE_WAIT_S:g} s")
+        choices = []
+        with self._lock, torch.no_grad():
+            for index, prompt in enumerate(prompts):
+                ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"].to(self.engine.device)
+                out = self.model.generate(
+                    ids,
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                )
+                new_ids = out.sequences[0, ids.shape[1] :].tolist()
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "text": self.tokenizer.decode(new_ids, skip_special_tokens=True),
+                    "finish_reason": "length" if len(new_ids) == max_tokens else "stop",
+                }
+                if logprobs:
+                    steps = [torch.log_softmax(logit[0].float(), dim=-1) for logit in out.logits]
+                    choice["logprobs"] = {
+                        "tokens": self.tokenizer.convert_ids_to_tokens(new_ids),
+                        "token_logprobs": [step[t].item() for step, t in zip(steps, new_ids)],
+                    }
+                choices.append(choice)
+        return choices
+
+    def init_weight_transfer_engine(self, init_info: Mapping[str, Any]) -> None:
+        with self._lock:
+            self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        with self._lock:
+            if self._stage is not None:
+                raise RuntimeError("Cannot shut down weight transfer while a weight update is active.")
+            self.engine.shutdown()
+
+    def start_weight_update(self) -> None:
+        with self._lock:
+            if self._stage is not None:
+                raise RuntimeError("A weight update is already active. Call finish_weight_update first.")
+            stage = StagedWeights(self.model)
+            self.engine.set_weight_update_target(stage, None)
+            try:
+                self.engine.start_weight_update()
+            except Exception:
+                self.engine.reset_weight_update_target()
+                raise
+            self._stage = stage
+
+    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        with self._lock:
+            if self._stage is None:
+                raise RuntimeError("start_weight_update must be called before update_weights.")
+            local = update_info[0] if isinstance(update_info, list) else update_info
+            try:
+                self.engine.update_weights(local)
+            except Exception:
+                self._stage = None
+                self.engine.reset_weight_update_target()
+                raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        with self._lock:
+            if self._stage is None:
+                raise RuntimeError("finish_weight_update called without an active weight update.")
+            self.engine.finish_weight_update()
+            self._stage.commit()
+            self._stage = None
+            self.engine.reset_weight_update_target()
+            if weight_version is not None:
+                self.weight_version = weight_version
+            self.updates_completed += 1
+            self.version_history.append(self.weight_version)
+
+    def reload_weights(self, weights_path: str) -> None:
+        """Load every ``*.safetensors`` file in ``weights_path`` (vLLM's
+        ``reload_weights`` collective RPC: the reload-from-disk way to sync).
+
+        Validated and applied like a pushed round (all or nothing), but it
+        does not change ``weight_version`` or count as an update: vLLM's
+        reload does neither.
+        """
+        from pathlib import Path
+
+        try:
+            from safetensors.torch import load_file
+        except ImportError as e:
+            raise RuntimeError("reload_weights needs safetensors: pip install 'wt-callbacks[receiver]'") from e
+        files = sorted(Path(weights_path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"weights_path={weights_path!r} has no *.safetensors file")
+        with self._lock:
+            if self._stage is not None:
+                raise RuntimeError("Cannot reload weights while a weight update is active.")
+            stage = StagedWeights(self.model)
+            for file in files:
+                tensors = load_file(file)
+                stage.validate_update(list(tensors), [t.dtype for t in tensors.values()], [tuple(t.shape) for t in tensors.values()])
+                stage.load_weights(tensors.items())
+            stage.commit()
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.weight_version = new_version
+
+    def weight_info(self) -> dict[str, Any]:
+        return {
+            "weight_version": self.weight_version,
+            "updates_completed": self.updates_completed,
+            "version_history": list(self.version_history),
+        }
+
+    def weight_checksums(self) -> dict[str, Any]:
+        with self._lock:
+            return {"weight_version": self.weight_version, "checksums": module_checksums(self.model)}
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,234 @@
+"""The receiver over HTTP: vLLM's RL routes (and greedy completions) around a ``ReceiverCore``."""
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from wt_callbacks.receiver.core import COMPLETION_PAUSE_WAIT_S, ReceiverCore
+from wt_callbacks.transfer.clients import PAUSE_MODES
+
+logger = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": kind, "param": None, "code": status}},
+    )
+
+
+def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
+    """The FastAPI app serving vLLM's RL routes (and greedy completions) over ``core``."""
+    import anyio
+    from fastapi import Body, FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+
+    app = FastAPI(title="wt_callbacks reference receiver")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, exc: RequestValidationError) -> Any:
+        return _error(400, str(exc.errors()))
+
+    @app.middleware("http")
+    async def errors_as_500(request: Request, call_next: Callable) -> Any:
+        # vLLM loses the exception type across processes and answers 500.
+        # Answering here (not in an `Exception` handler, which re-raises)
+        # keeps the keep-alive connection usable for the next call.
+        try:
+            return await call_next(request)
+        except Exception as exc:  # noqa: BLE001 - every route error becomes a 500 answer
+            logger.warning("%s failed: %s", request.url.path, exc)
+            return _error(500, f"{type(exc).__name__}: {exc}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.post("/init_weight_transfer_engine")
+    def init_weight_transfer_engine(init_info: dict[str, Any] = Body(..., embed=True)) -> dict:
+        core.init_weight_transfer_engine(init_info)
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/shutdown_weight_transfer_engine")
+    def shutdown_weight_transfer_engine() -> dict:
+        core.shutdown_weight_transfer_engine()
+        return {"message": "Weight transfer shut down"}
+
+    @app.post("/start_weight_update")
+    def start_weight_update() -> dict:
+        core.start_weight_update()
+        return {"message": "Weight update started"}
+
+    @app.post("/start_draft_weight_update")
+    def start_draft_weight_update() -> dict:
+        raise RuntimeError("This server has no draft model: draft weight updates are not supported.")
+
+    @app.post("/update_weights")
+    def update_weights(update_info: dict[str, Any] | list[dict[str, Any]] = Body(..., embed=True)) -> dict:
+        core.update_weights(update_info)
+        return {"message": "Weights updated"}
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> Any:
+        raw = await request.body()
+        version = None
+        if raw:
+            body = await request.json()
+            if not isinstance(body, dict) or not isinstance(body.get("weight_version", ""), (str, type(None))):
+                return _error(400, "body must be {\"weight_version\": str}")
+            version = body.get("weight_version")
+        # Off the event loop: finishing copies the staged weights.
+        await anyio.to_thread.run_sync(core.finish_weight_update, version)
+        return {"message": "Weight update finished"}
+
+    @app.post("/collective_rpc")
+    def collective_rpc(
+        method: str = Body(...),
+        args: list[Any] = Body(default_factory=list),
+        kwargs: dict[str, Any] = Body(default_factory=dict),
+        timeout: float | None = Body(None),
+    ) -> Any:
+        # vLLM dispatches any worker method here; the one a weight-sync setup
+        # uses is the reload-from-disk alternative to pushing.
+        if method != "reload_weights":
+            return _error(400, f"method {method!r} is not supported here; this receiver serves 'reload_weights'")
+        core.reload_weights(*args, **kwargs)
+        return {"results": [None]}
+
+    @app.post("/update_weight_version")
+    def update_weight_version(new_version: str = Body(..., embed=True)) -> dict:
+        core.update_weight_version(new_version)
+        return {"success": True, "new_version": new_version}
+
+    @app.get("/weight_info")
+    async def weight_info() -> dict:
+        return core.weight_info()
+
+    @app.get("/weight_checksums")
+    def weight_checksums() -> dict:
+        return core.weight_checksums()
+
+    @app.get("/get_world_size")
+    async def get_world_size(include_dp: bool = True) -> dict:
+        return {"world_size": 1}
+
+    @app.post("/pause")
+    async def pause(mode: str = "abort", clear_cache: bool = True) -> Any:
+        if mode not in PAUSE_MODES:
+            return JSONResponse(status_code=400, content={"error": f"Invalid mode {mode!r}; use one of {PAUSE_MODES}"})
+        core.pause()
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume() -> dict:
+        core.resume()
+        return {"status": "resumed"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict[str, Any] = Body(...)) -> Any:
+        prompt = body.get("prompt")
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            return _error(400, "prompt must be a string or a list of strings")
+        if body.get("temperature", 0) not in (0, 0.0, None):
+            return _error(400, "the reference receiver decodes greedily only: use temperature 0")
+        max_tokens = body.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return _error(400, "max_tokens must be a positive integer")
+        # Wait out a pause here, on the event loop: a worker thread parked per
+        # waiting request could starve the weight routes that end the pause.
+        for _ in range(int(COMPLETION_PAUSE_WAIT_S / 0.01)):
+            if not core.paused:
+                break
+            await anyio.sleep(0.01)
+        choices = await anyio.to_thread.run_sync(
+            lambda: core.complete(prompts, max_tokens, logprobs=body.get("logprobs") is not None)
+        )
+        return {"object": "text_completion", "model": model_name, "choices": choices}
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict:
+        return {"is_paused": core.paused}
+
+    return app
+
+
+class Receiver:
+    """Serves ``model`` on vLLM's RL routes from a background thread.
+
+    Example::
+
+        with Receiver(model) as receiver:
+            url = receiver.start()          # "http://127.0.0.1:<free port>"
+            ...                             # point the trainer at url
+    """
+
+    def __init__(self, model: torch.nn.Module, *, backend: str = "torch_dist", tokenizer: Any = None, model_name: str = "receiver") -> None:
+        self.core = ReceiverCore(model, backend=backend, tokenizer=tokenizer)
+        self.model_name = model_name
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.url: str | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.core.model
+
+    def start(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 30.0) -> str:
+        """Start serving; returns the base URL. ``port=0`` picks a free port."""
+        import uvicorn
+
+        if self._thread is not None:
+            raise RuntimeError(f"the receiver is already serving on {self.url}")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted sockets inherit it: without it, a keep-alive response
+        # written in two parts waits ~40 ms on the client's delayed ACK.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise OSError(f"receiver cannot listen on {host}:{port}: {e}; choose another --port") from e
+        config = uvicorn.Config(build_app(self.core, self.model_name), log_level="warning", timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name="wt-receiver", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            self.stop()
+            raise RuntimeError(f"receiver did not start on {host}:{port} within {timeout_s:g} s")
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        return self.url
+
+    def stop(self) -> None:
+        """Stop serving and leave any transfer group."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._server, self._thread = None, None
+        self.core.shutdown()
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

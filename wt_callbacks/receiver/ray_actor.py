@@ -1,0 +1,59 @@
+"""The receiver in a Ray actor, with the weight methods of vLLM's ``LLM``."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from wt_callbacks.receiver.cli import load_model
+from wt_callbacks.receiver.core import ReceiverCore
+from wt_callbacks.transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+
+class RayReceiver:
+    """A receiver hosted in a Ray actor, with vLLM ``LLM``'s weight methods.
+
+    Use as ``ray.remote(RayReceiver).remote(model_dir_or_module)``; drive it
+    with ``RayVLLMWeightSyncClient``. Requests may be the request dataclasses
+    or dicts of the form ``{"init_info": ...}`` / ``{"update_info": ...}``,
+    as vLLM's ``LLM`` accepts.
+    """
+
+    def __init__(self, model_dir_or_module: str | torch.nn.Module, backend: str = "torch_dist", dtype: str | None = None) -> None:
+        if isinstance(model_dir_or_module, torch.nn.Module):
+            model = model_dir_or_module.eval()
+        else:
+            model = load_model(model=model_dir_or_module, dtype=dtype)
+        self.core = ReceiverCore(model, backend=backend)
+
+    def init_weight_transfer_engine(self, request: WeightTransferInitRequest | Mapping[str, Any]) -> None:
+        info = request.init_info if isinstance(request, WeightTransferInitRequest) else request["init_info"]
+        self.core.init_weight_transfer_engine(info)
+
+    def start_weight_update(self) -> None:
+        self.core.start_weight_update()
+
+    def update_weights(self, request: WeightTransferUpdateRequest | Mapping[str, Any]) -> None:
+        info = request.update_info if isinstance(request, WeightTransferUpdateRequest) else request["update_info"]
+        self.core.update_weights(info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.core.finish_weight_update(weight_version)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.core.update_weight_version(new_version)
+
+    def get_weight_version(self) -> str:
+        return self.core.weight_version
+
+    def get_world_size(self) -> int:
+        return 1
+
+    def weight_info(self) -> dict[str, Any]:
+        return self.core.weight_info()
+
+    def weight_checksums(self) -> dict[str, Any]:
+        return self.core.weight_checksums()
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.core.shutdown_weight_transfer_engine()
