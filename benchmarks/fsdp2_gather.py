@@ -78,8 +78,8 @@ from benchmarks.transfer_throughput import (  # noqa: E402 - needs the repositor
     receiver_checksums,
     shape_for,
 )
-from tests.support.procs import free_port, leave_group_together  # noqa: E402
 from wt_callbacks.checksums import module_checksums  # noqa: E402
+from wt_callbacks.demos.multiprocess import free_port, leave_group_together  # noqa: E402
 from wt_callbacks.transfer import (  # noqa: E402
     HTTPVLLMWeightSyncClient,
     ModuleSource,

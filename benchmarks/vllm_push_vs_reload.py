@@ -58,13 +58,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.transfer_throughput import CpuLoadMeter  # noqa: E402 - needs the repository root on sys.path
-from tests.support.vllm_server import (  # noqa: E402
-    VLLMServer,
-    find_vllm_python,
-    load_toy_task,
-    max_logprob_diff,
-    start_vllm_server,
-)
+from wt_callbacks.demos import toy_task  # noqa: E402
+from wt_callbacks.demos.vllm_server import VLLMServer, find_vllm_python, max_logprob_diff, start_vllm_server  # noqa: E402
 from wt_callbacks.transfer import (  # noqa: E402
     HTTPVLLMWeightSyncClient,
     ModuleSource,
@@ -89,14 +84,13 @@ another host gets, minus the network), and one collective per tensor."""
 
 def build_model_dir(size: str, directory: Path) -> Path:
     """Write a model vLLM can serve; every size uses the toy tokenizer (offline)."""
-    toy = load_toy_task()
     if size == "toy":
-        return toy.save_pretrained(directory)
+        return toy_task.save_pretrained(directory)
     if size != "llama-74M":
         raise ValueError(f"--sizes: unknown size {size!r}; choose from {SIZES}")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = toy.build_tokenizer()
+    tokenizer = toy_task.build_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=32000,
@@ -177,7 +171,7 @@ def bench_size(
     model_dir = build_model_dir(size, workdir / size / "model")
     reload_dir = workdir / size / "reload"
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompt = load_toy_task().build_tokenizer()(PROMPT_WORDS)["input_ids"]
+    prompt = toy_task.build_tokenizer()(PROMPT_WORDS)["input_ids"]
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[{size}] {n_params / 1e6:.1f}M parameters; starting vLLM ...", flush=True)
     server = start_vllm_server(python, model_dir, workdir / size / "vllm.log", timeout_s=timeout_s)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import random
-import sys
 from pathlib import Path
 
 import requests
@@ -25,11 +24,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import toy_task  # noqa: E402
-
-from wt_callbacks.checksums import module_checksums  # noqa: E402
-from wt_callbacks.integrations.accelerate import WeightSyncHook  # noqa: E402
+from wt_callbacks.checksums import module_checksums
+from wt_callbacks.demos import toy_task
+from wt_callbacks.integrations.accelerate import WeightSyncHook
 
 HERE = Path(__file__).resolve().parent
 

@@ -8,13 +8,10 @@ callback in the YAML override the section's keys. Point ``servers`` at a
 running server (``python -m wt_callbacks.receiver --model DIR`` or vLLM).
 """
 
-import sys
-from pathlib import Path
-
 from lightning.pytorch.cli import LightningCLI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lightning_quickstart import ReversalLM  # noqa: E402
+# The quickstart sits next to this script, whose directory Python puts on the import path.
+from lightning_quickstart import ReversalLM
 
 
 def main() -> None:

@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import requests
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import toy_task  # noqa: E402
-
-from wt_callbacks.checksums import module_checksums  # noqa: E402
-from wt_callbacks.integrations.lightning import WeightSyncCallback  # noqa: E402
+from wt_callbacks.checksums import module_checksums
+from wt_callbacks.demos import toy_task
+from wt_callbacks.integrations.lightning import WeightSyncCallback
 
 
 class ReversalBatches(IterableDataset):

@@ -17,12 +17,12 @@ import sys
 import pytest
 import requests
 
-from tests.support import models
-from tests.support.procs import REPO_ROOT
+from tests.support import REPO_ROOT
+from wt_callbacks.demos import models
 
 pytest.importorskip("accelerate")
 
-APP = str(REPO_ROOT / "tests/support/accelerate_app.py")
+APP = "tests.support.accelerate_app"
 NAMES = {n for n, _ in models.tiny_mlp().named_parameters()}
 
 
@@ -35,13 +35,13 @@ def served(url: str) -> dict:
 def launch(tmp_path, *args: str, processes: int = 1) -> dict:
     out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}.json"
     if processes == 1:
-        cmd = [sys.executable, APP]
+        cmd = [sys.executable, "-m", APP]
     else:
         # `--cpu --num_processes 2` would silently run ONE process; `--multi_gpu`
         # with Accelerator(cpu=True) in the script gives two MULTI_CPU ranks.
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", APP,
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", APP,
         ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*cmd, *args, "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
@@ -98,7 +98,7 @@ def test_misconfiguration_and_dead_servers_fail_at_construction(tmp_path):
     import torch
     from accelerate import Accelerator
 
-    from tests.support.procs import free_port
+    from wt_callbacks.demos.multiprocess import free_port
     from wt_callbacks.integrations.accelerate import WeightSyncHook
     from wt_callbacks.transfer import WeightTransferError
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.support.procs import REPO_ROOT
+from tests.support import REPO_ROOT
 
 
 def run(*args: str) -> None:

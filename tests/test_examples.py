@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.support.procs import REPO_ROOT
+from tests.support import REPO_ROOT
 
 
 def run_example(*args: str) -> str:

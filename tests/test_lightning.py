@@ -14,10 +14,11 @@ pytest.importorskip("lightning")
 
 import lightning.pytorch as pl  # noqa: E402
 
-from tests.support import models  # noqa: E402
+from tests.support import REPO_ROOT  # noqa: E402
 from tests.support.lightning_app import StepHook, run  # noqa: E402
+from wt_callbacks.demos import models  # noqa: E402
+from wt_callbacks.demos.multiprocess import free_port  # noqa: E402
 from wt_callbacks.integrations.lightning import WeightSyncCallback  # noqa: E402
-from tests.support.procs import REPO_ROOT, free_port  # noqa: E402
 
 TIMEOUT_S = 30
 
@@ -142,7 +143,7 @@ def _torchrun(tmp_path, weight_sync: dict, strategy: str) -> dict:
     out = tmp_path / "result.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(REPO_ROOT / "tests/support/lightning_app.py"),
+        "-m", "tests.support.lightning_app",
         "--weight-sync", json.dumps(weight_sync), "--strategy", strategy, "--devices", "2",
         "--max-steps", "6", "--out", str(out),
     ]  # fmt: skip
@@ -167,7 +168,7 @@ def test_lightning_cli_yaml(receiver_proc, tmp_path):
     """The example YAML drives the callback through LightningCLI into a receiver
     started with the CLI's --model on a saved transformers checkpoint."""
     model_dir = tmp_path / "toy"
-    subprocess.run([sys.executable, "examples/toy_task.py", str(model_dir)], cwd=REPO_ROOT, check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "wt_callbacks.demos.toy_task", str(model_dir)], check=True, timeout=120)
     receiver = receiver_proc("", extra_args=("--model", str(model_dir)))
     config = (REPO_ROOT / "examples/lightning_cli.yaml").read_text()
     config = config.replace("http://127.0.0.1:8000", receiver.url).replace("max_steps: 100", "max_steps: 50")

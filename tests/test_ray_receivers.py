@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import models
-from tests.support.procs import REPO_ROOT
 from wt_callbacks.checksums import module_checksums
+from wt_callbacks.demos import models
 from wt_callbacks.receiver import RayReceiver
 from wt_callbacks.transfer import ModuleSource, RayVLLMWeightSyncClient, WeightTransferTrainerFactory
 
@@ -21,7 +20,7 @@ def ray_cluster():
         include_dashboard=False,
         log_to_driver=False,
         namespace="wt-tests",
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}},
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
     )
     yield
     ray.shutdown()

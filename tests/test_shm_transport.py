@@ -17,9 +17,10 @@ import pytest
 import requests
 import torch
 
-from tests.support import models
-from tests.support.transfer import LOCAL, TIMEOUT_S, InterruptingSource, connect, receiver_checksums, ring_files
+from tests.support.transfer import LOCAL, TIMEOUT_S, InterruptingSource, connect, ring_files
 from wt_callbacks.checksums import module_checksums
+from wt_callbacks.demos import models
+from wt_callbacks.demos.receiver_process import receiver_checksums
 from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
@@ -67,7 +68,7 @@ def private_shm():
     ],
 )
 def test_arrives_bitwise(receiver_proc, factory, config):
-    receiver = receiver_proc(f"tests.support.models:{factory}")
+    receiver = receiver_proc(f"wt_callbacks.demos.models:{factory}")
     model = getattr(models, factory)(seed=0)
     if factory == "ring_overflow":
         assert max(p.numel() * p.element_size() for p in model.parameters()) > SHM_SLOTS * SHM_SLOT_BYTES
@@ -86,7 +87,7 @@ def test_arrives_bitwise(receiver_proc, factory, config):
 
 
 def test_bf16_wire(receiver_proc):
-    receiver = receiver_proc("tests.support.models:ring_overflow")
+    receiver = receiver_proc("wt_callbacks.demos.models:ring_overflow")
     model = models.ring_overflow(seed=0)
     client, engine = connect(receiver.url, ModuleSource(model), transport="shm", dtype="bfloat16")
     try:
@@ -98,7 +99,7 @@ def test_bf16_wire(receiver_proc):
 
 
 def test_one_round_reaches_two_receivers(receiver_proc):
-    first, second = receiver_proc("tests.support.models:ring_overflow"), receiver_proc("tests.support.models:ring_overflow")
+    first, second = receiver_proc("wt_callbacks.demos.models:ring_overflow"), receiver_proc("wt_callbacks.demos.models:ring_overflow")
     model = models.ring_overflow(seed=0)
     client, engine = connect([first.url, second.url], ModuleSource(model), transport="shm", packed_buffer_size_bytes=1 << 20)
     try:
@@ -177,7 +178,7 @@ def _trainer_until_killed(url: str, stalled, timeout_s: float) -> None:
 
 
 def test_trainer_killed_mid_round_fails_the_update_within_the_heartbeat_window(receiver_proc):
-    receiver = receiver_proc("tests.support.models:many_tensors")
+    receiver = receiver_proc("wt_callbacks.demos.models:many_tensors")
     before = receiver_checksums(receiver.url)
     timeout_s = 120.0
     ctx = multiprocessing.get_context("spawn")

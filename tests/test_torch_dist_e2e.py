@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.support import models
-from tests.support.procs import free_port, leave_group_together
-from tests.support.transfer import LOCAL, TIMEOUT_S, InterruptingSource, connect, receiver_checksums
+from tests.support.transfer import LOCAL, TIMEOUT_S, InterruptingSource, connect
 from wt_callbacks.checksums import module_checksums
+from wt_callbacks.demos import models
+from wt_callbacks.demos.multiprocess import free_port, leave_group_together
+from wt_callbacks.demos.receiver_process import receiver_checksums
 from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
@@ -45,7 +46,7 @@ from wt_callbacks.transfer import (
     ],
 )
 def test_mixed_dtypes_and_non_contiguous_params_arrive_bitwise(receiver_proc, config):
-    receiver = receiver_proc("tests.support.models:mixed_model")
+    receiver = receiver_proc("wt_callbacks.demos.models:mixed_model")
     model = models.mixed_model(seed=0)
     assert not model.transposed.is_contiguous()
     assert {p.dtype for p in model.parameters()} == {torch.float32, torch.bfloat16}
@@ -69,7 +70,7 @@ def test_mixed_dtypes_and_non_contiguous_params_arrive_bitwise(receiver_proc, co
 
 
 def test_bf16_wire_from_fp32_model(receiver_proc):
-    receiver = receiver_proc("tests.support.models:tiny_mlp")
+    receiver = receiver_proc("wt_callbacks.demos.models:tiny_mlp")
     model = models.tiny_mlp(seed=0)
     client, engine = connect(receiver.url, ModuleSource(model), transport="gloo", dtype="bfloat16")
     try:
@@ -149,7 +150,7 @@ def test_metadata_disagreement_is_named_and_leaves_old_weights(receiver_proc):
 def test_receiver_killed_mid_round_raises_within_timeout_then_recovers(
     receiver_proc, no_ring_left_behind, transport, packed
 ):
-    receiver = receiver_proc("tests.support.models:many_tensors")
+    receiver = receiver_proc("wt_callbacks.demos.models:many_tensors")
     model = models.many_tensors(seed=0)
     timeout_s = 15.0
     client, engine = connect(
@@ -162,7 +163,7 @@ def test_receiver_killed_mid_round_raises_within_timeout_then_recovers(
     assert time.monotonic() - start < timeout_s
     engine.shutdown()
 
-    fresh = receiver_proc("tests.support.models:many_tensors")
+    fresh = receiver_proc("wt_callbacks.demos.models:many_tensors")
     client, engine = connect(fresh.url, ModuleSource(model), transport=transport)
     engine.send_weights("after-crash")
     engine.shutdown()
@@ -237,7 +238,7 @@ def _fsdp_rank(rank: int, world: int, port: int, url: str, out_dir: str, dtype: 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"], ids=["fp32-wire", "bf16-wire-cast-before-gather"])
 def test_fsdp2_two_ranks_sync_full_tensors(receiver_proc, dtype):
     # The receiver holds fp32 for every parameter (mixed_model's bf16 layer is upcast).
-    receiver = receiver_proc("tests.support.models:mixed_model", extra_args=("--dtype", "float32"))
+    receiver = receiver_proc("wt_callbacks.demos.models:mixed_model", extra_args=("--dtype", "float32"))
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _fsdp_rank, args=(2, free_port(), receiver.url, out_dir, dtype), nprocs=2, join=True, start_method="spawn"

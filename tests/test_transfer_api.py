@@ -12,7 +12,7 @@ import pytest
 import requests
 import torch
 
-from tests.support import models
+from wt_callbacks.demos import models
 from wt_callbacks.receiver import Receiver
 from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,

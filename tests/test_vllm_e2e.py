@@ -37,14 +37,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.vllm_server import (
+from wt_callbacks.demos import toy_task
+from wt_callbacks.demos.vllm_server import (
     REQUIRE_VLLM_ENV,
     VLLMServer,
     VLLMStartError,
     build_toy_model_dir,
     completion,
     find_vllm_python,
-    load_toy_task,
     max_logprob_diff,
     reference_logprobs,
     start_vllm_server,
@@ -70,8 +70,6 @@ BF16_SERVER_ATOL = 0.02
 (measured: ~5e-3 after the push, ~1.0 before it)."""
 ROUND_TIMEOUT_S = 60.0
 STARTUP_FAILURE_TIMEOUT_S = 180.0
-
-toy = load_toy_task()
 
 
 # --------------------------------------------------------------------------- #
@@ -115,7 +113,7 @@ def server(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPath
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return toy.build_tokenizer()
+    return toy_task.build_tokenizer()
 
 
 @pytest.fixture
@@ -129,7 +127,7 @@ def trainer_model(model_dir: Path) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
     """Fixed prompts as token ids (``<bos> a b c d |``), sent to vLLM as ids."""
-    return [tokenizer(prompt)["input_ids"] for prompt, _ in toy.held_out_prompts(4)]
+    return [tokenizer(prompt)["input_ids"] for prompt, _ in toy_task.held_out_prompts(4)]
 
 
 # --------------------------------------------------------------------------- #
@@ -143,7 +141,7 @@ def train(model: torch.nn.Module, tokenizer, *, steps: int, seed: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
     for _ in range(steps):
-        batch = toy.training_batch(tokenizer, rng, 16)
+        batch = toy_task.training_batch(tokenizer, rng, 16)
         model(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -343,7 +341,7 @@ def test_wire_mismatch_names_parameter_and_server_survives(
     with trainer_engine(server, trainer_model) as (engine, _):
         engine.send_weights("before-mismatch")
     if mismatch == "shape":
-        wrong: WeightSource = ModuleSource(toy.build_model(tokenizer, hidden_size=96))
+        wrong: WeightSource = ModuleSource(toy_task.build_model(tokenizer, hidden_size=96))
         culprit = "model.embed_tokens.weight"
     elif mismatch == "name":
         culprit = "model.embed_token.weight"
@@ -392,13 +390,13 @@ def test_lightning_fsdp2_two_ranks_sync_into_vllm(server: VLLMServer, model_dir,
     import subprocess
     import sys
 
-    from tests.support.procs import REPO_ROOT
+    from tests.support import REPO_ROOT
 
     weight_sync = {"servers": [server.url], "every_n_train_steps": 3, "module": "model", "timeout_s": ROUND_TIMEOUT_S}
     state_path = tmp_path / "trained.pt"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(REPO_ROOT / "tests/support/lightning_app.py"), "--task", "toy-lm", "--strategy", "model_parallel",
+        "-m", "tests.support.lightning_app", "--task", "toy-lm", "--strategy", "model_parallel",
         "--devices", "2", "--max-steps", "6", "--weight-sync", json.dumps(weight_sync),
         "--state-out", str(state_path), "--out", str(tmp_path / "result.json"),
     ]  # fmt: skip
@@ -415,7 +413,7 @@ def test_server_restarted_mid_training_with_warn(vllm_python: Path, model_dir, p
     import logging
 
     from tests.support.lightning_app import StepHook, run
-    from tests.support.procs import free_port
+    from wt_callbacks.demos.multiprocess import free_port
 
     port = free_port()
     servers = {"current": start_vllm_server(vllm_python, model_dir, tmp_path / "first.log", port=port)}
@@ -449,7 +447,7 @@ def test_push_vs_reload_benchmark_smoke(vllm_python, tmp_path):
     import subprocess
     import sys
 
-    from tests.support.procs import REPO_ROOT
+    from tests.support import REPO_ROOT
 
     out = tmp_path / "vllm.json"
     proc = subprocess.run(

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from tests.support import models
-from tests.support.procs import REPO_ROOT
+from tests.support import REPO_ROOT
+from wt_callbacks.demos import models
 from wt_callbacks.transfer import ModuleSource, WeightTransferTrainerFactory
 
 LOCAL = {"master_address": "127.0.0.1", "master_port": 29777, "rank": 0}

@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.support.procs import free_port, leave_group_together
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
+from wt_callbacks.demos.multiprocess import free_port, leave_group_together
 from wt_callbacks.naming import CheckpointParameters, checkpoint_name, find_submodule
 from wt_callbacks.receiver import Receiver
 from wt_callbacks.sync import Collectives, WeightSync

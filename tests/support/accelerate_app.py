@@ -1,4 +1,5 @@
-"""A small ``accelerate launch`` training loop with WeightSyncHook, used by the tests.
+"""A small ``accelerate launch`` training loop with WeightSyncHook, used by the tests
+(``accelerate launch ... -m tests.support.accelerate_app``, from the repository root).
 
 Rank 0 writes what the tests check to ``--out``: the number of processes, the
 hook's counters and the trainer's checksums under checkpoint names.
@@ -8,18 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.support import models  # noqa: E402
-from wt_callbacks.checksums import module_checksums  # noqa: E402
-from wt_callbacks.integrations.accelerate import WeightSyncHook  # noqa: E402
-from wt_callbacks.naming import checkpoint_name  # noqa: E402
+from wt_callbacks.checksums import module_checksums
+from wt_callbacks.demos import models
+from wt_callbacks.integrations.accelerate import WeightSyncHook
+from wt_callbacks.naming import checkpoint_name
 
 
 def main() -> None:

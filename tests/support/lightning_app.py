@@ -1,8 +1,9 @@
 """A small Lightning training run with WeightSyncCallback, used by the tests.
 
 Runs in the pytest process (``run(...)``) or under torchrun for the
-multi-process strategies (``python -m torch.distributed.run ... lightning_app.py
---out result.json ...``). Rank 0 writes what the test checks: the trainer's
+multi-process strategies (``python -m torch.distributed.run ... -m
+tests.support.lightning_app --out result.json ...``, from the repository
+root). Rank 0 writes what the test checks: the trainer's
 final checksums (gathered, so FSDP2 shards are compared whole) and the
 callback's state.
 """
@@ -13,7 +14,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,14 +22,11 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.support import models  # noqa: E402
-from tests.support.procs import leave_group_together  # noqa: E402
-from tests.support.vllm_server import load_toy_task  # noqa: E402
-from wt_callbacks.checksums import module_checksums  # noqa: E402
-from wt_callbacks.transfer import materialize_full_tensor  # noqa: E402
-from wt_callbacks.integrations.lightning import WeightSyncCallback  # noqa: E402
+from wt_callbacks.checksums import module_checksums
+from wt_callbacks.demos import models, toy_task
+from wt_callbacks.demos.multiprocess import leave_group_together
+from wt_callbacks.integrations.lightning import WeightSyncCallback
+from wt_callbacks.transfer import materialize_full_tensor
 
 
 class RandomRegression(Dataset):
@@ -47,7 +44,7 @@ class RandomRegression(Dataset):
 
 
 class TinyModule(pl.LightningModule):
-    """``self.model`` is what the receivers host (tests.support.models.TinyMLP)."""
+    """``self.model`` is what the receivers host (wt_callbacks.demos.models.TinyMLP)."""
 
     def __init__(self, weight_sync: dict, shard: bool = False, step_sleep_s: float = 0.0) -> None:
         super().__init__()
@@ -80,10 +77,8 @@ class ToyLMModule(pl.LightningModule):
     def __init__(self, weight_sync: dict, shard: bool = False, step_sleep_s: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
-        toy = load_toy_task()
-        self.tokenizer = toy.build_tokenizer()
-        self.model = toy.build_model(self.tokenizer, seed=0)
-        self._toy = toy
+        self.tokenizer = toy_task.build_tokenizer()
+        self.model = toy_task.build_model(self.tokenizer, seed=0)
         self._rng = random.Random(0)
 
     def configure_model(self) -> None:
@@ -99,7 +94,7 @@ class ToyLMModule(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.hparams.step_sleep_s:
             time.sleep(self.hparams.step_sleep_s)
-        return self.model(**self._toy.training_batch(self.tokenizer, self._rng, 16)).loss
+        return self.model(**toy_task.training_batch(self.tokenizer, self._rng, 16)).loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)

@@ -7,7 +7,6 @@ import glob
 import os
 from collections.abc import Callable, Iterator
 
-import requests
 import torch
 
 from wt_callbacks.transfer import (
@@ -21,10 +20,6 @@ from wt_callbacks.transfer.backends.torch_dist.shm_ring import SHM_DIR, SHM_NAME
 
 TIMEOUT_S = 30.0
 LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
-
-
-def receiver_checksums(url: str) -> dict[str, str]:
-    return requests.get(f"{url}/weight_checksums", timeout=30).json()["checksums"]
 
 
 def ring_files() -> set[str]:

@@ -1,7 +1,7 @@
-"""Small models for tests, built offline and deterministically.
+"""Small models for tests and demos, built offline and deterministically.
 
-The receiver subprocess builds them through ``--module-factory
-tests.support.models:<name>``; the receiver's copy starts from a different
+A receiver subprocess builds them through ``--module-factory
+wt_callbacks.demos.models:<name>``; the receiver's copy starts from a different
 seed than the trainer's, so a passing checksum comparison proves the sync
 moved every byte.
 """

@@ -3,7 +3,9 @@
 Task: reverse four letters. The prompt ``"c a f b |"`` is answered ``"b f a c"``.
 Everything is built offline (no downloads): a word-level tokenizer over the
 letters ``a``-``p`` and a 2-layer Llama whose shapes also suit vLLM's CPU
-backend (head_dim 32). Shared by the examples, the tests and the vLLM scripts.
+backend (head_dim 32). Shared by the examples, the tests and the vLLM benchmark.
+
+    python -m wt_callbacks.demos.toy_task DIR     # write the untrained model + tokenizer to DIR
 """
 
 from __future__ import annotations
@@ -96,11 +98,11 @@ def accuracy(answers: list[str], pairs: list[tuple[str, str]]) -> float:
 
 
 def main() -> None:
-    """``python examples/toy_task.py DIR``: write the untrained model + tokenizer to DIR."""
+    """``python -m wt_callbacks.demos.toy_task DIR``: write the untrained model + tokenizer to DIR."""
     import sys
 
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python examples/toy_task.py OUTPUT_DIR")
+        raise SystemExit("usage: python -m wt_callbacks.demos.toy_task OUTPUT_DIR")
     print(save_pretrained(sys.argv[1], seed=1))
 
 

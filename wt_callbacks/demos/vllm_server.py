@@ -12,7 +12,6 @@ pytest-free on purpose: the benchmark uses it too.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import signal
@@ -20,13 +19,14 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import requests
 import torch
 
-from tests.support.procs import REPO_ROOT, free_port
+from wt_callbacks.demos import toy_task
+from wt_callbacks.demos.multiprocess import free_port
+
 VLLM_PYTHON_ENV = "WT_VLLM_PYTHON"
 """Path to the python of the vLLM venv (``scripts/vllm_env.sh`` prints it)."""
 REQUIRE_VLLM_ENV = "WT_REQUIRE_VLLM"
@@ -58,18 +58,9 @@ def find_vllm_python() -> tuple[Path | None, str]:
     return path, ""
 
 
-def load_toy_task() -> ModuleType:
-    """``examples/toy_task.py`` imported by path (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("wt_examples_toy_task", REPO_ROOT / "examples" / "toy_task.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def build_toy_model_dir(directory: Path, *, seed: int = 0) -> Path:
     """The toy task's tiny Llama + tokenizer, written where vLLM can load it."""
-    return load_toy_task().save_pretrained(directory, seed=seed)
+    return toy_task.save_pretrained(directory, seed=seed)
 
 
 @dataclass

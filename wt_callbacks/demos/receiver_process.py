@@ -1,45 +1,39 @@
-"""Receiver subprocesses for tests: started with bounded waits, stopped by PID."""
+"""The reference receiver in a child process: started with a bounded wait, stopped by PID.
+
+``start_receiver`` runs ``python -m wt_callbacks.receiver`` and waits for the
+line that names its URL; the receiver's output (stdout and stderr) is kept in
+``ReceiverProcess.output``. ``receiver_checksums`` fetches what it holds,
+also from processes that have only its URL (spawned trainer ranks).
+"""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+import requests
 
-
-def free_port() -> int:
-    """A port free right now on 127.0.0.1 (for a process group's init_method)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+URL_MARKER = "serving on "
+"""What precedes the URL in the receiver's start-up line (``wt_callbacks.receiver.cli``)."""
 
 
-def leave_group_together() -> None:
-    """Barrier, then destroy the default process group, in every multi-process test.
-
-    Rank 1 of a 2-process test aborted twice in 7 CI runs with "terminate
-    called without an active exception", late in the run: once after
-    Trainer.fit had finished, once in the driver test's last rounds or its
-    teardown. Not reproduced on demand; suspected to be gloo teardown racing
-    the peer's, for which barrier-then-destroy is the usual remedy.
-    """
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+def receiver_checksums(url: str, timeout_s: float = 30.0) -> dict[str, str]:
+    """``GET /weight_checksums`` of the receiver at ``url``: sha256 per parameter."""
+    response = requests.get(f"{url}/weight_checksums", timeout=timeout_s)
+    response.raise_for_status()
+    return response.json()["checksums"]
 
 
 @dataclass
 class ReceiverProcess:
+    """A running receiver started by ``start_receiver``; a context manager that stops it."""
+
     proc: subprocess.Popen
     url: str
     output: list[str] = field(default_factory=list)
@@ -51,6 +45,7 @@ class ReceiverProcess:
             self.proc.wait(timeout=10)
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it is still alive after 15 s."""
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
             try:
@@ -62,9 +57,18 @@ class ReceiverProcess:
     def log(self) -> str:
         return "".join(self.output)
 
+    def checksums(self, timeout_s: float = 30.0) -> dict[str, str]:
+        return receiver_checksums(self.url, timeout_s)
+
+    def __enter__(self) -> ReceiverProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
 
 def start_receiver(
-    factory: str = "tests.support.models:tiny_mlp",
+    factory: str = "wt_callbacks.demos.models:tiny_mlp",
     *,
     port: int = 0,
     extra_args: tuple[str, ...] = (),
@@ -72,34 +76,32 @@ def start_receiver(
     timeout_s: float = 60.0,
     wrapper: tuple[str, ...] = (),
 ) -> ReceiverProcess:
-    """Start ``python -m wt_callbacks.receiver`` and wait for its URL line.
+    """Start ``python -m wt_callbacks.receiver --module-factory factory`` and wait for its URL.
 
-    ``wrapper``: a command that execs its arguments in the same process (e.g.
-    ``unshare``), so the PID is still the receiver's.
+    ``factory=""`` leaves ``--module-factory`` out (give ``--model DIR`` in
+    ``extra_args``). ``env`` adds to this process's environment. ``wrapper``:
+    a command that execs its arguments in the same process (e.g. ``unshare``),
+    so the PID is still the receiver's.
     """
-    child_env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    child_env.update(env or {})
     proc = subprocess.Popen(
         [*wrapper, sys.executable, "-m", "wt_callbacks.receiver", "--port", str(port), *extra_args]
         + (["--module-factory", factory] if factory else []),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=child_env,
-        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
     )
     output: list[str] = []
     found: list[str] = []
-    marker = "serving on "
 
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             output.append(line)
-            if marker in line and not found:
-                found.append(line.split(marker, 1)[1].strip())
+            if URL_MARKER in line and not found:
+                found.append(line.split(URL_MARKER, 1)[1].strip())
 
-    threading.Thread(target=pump, daemon=True).start()
+    threading.Thread(target=pump, name="receiver-output", daemon=True).start()
     deadline = time.monotonic() + timeout_s
     while not found and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

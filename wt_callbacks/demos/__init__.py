@@ -1,0 +1,13 @@
+"""Demo and test helpers, used alike by the tests, the examples and the benchmarks.
+
+As ``lightning.pytorch.demos``: small things that run offline and are handy
+to try the library or to test against it, importable wherever the package is
+installed (a receiver subprocess loads its model factory from here):
+
+* ``toy_task``: a tiny causal LM and a task it learns in a minute on a CPU
+  (``python -m wt_callbacks.demos.toy_task DIR`` writes the model).
+* ``models``: small deterministic ``nn.Module`` s for receivers and tests.
+* ``receiver_process``: the reference receiver in a child process, and its checksums.
+* ``multiprocess``: a free port, leaving a process group together.
+* ``vllm_server``: a real vLLM server (from a separate venv) in a child process.
+"""
