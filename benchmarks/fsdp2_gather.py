@@ -37,7 +37,7 @@ gathered model rounded through the wire dtype. Also the ratios
 gather-then-cast / cast-before-gather of the round and gather medians.
 
 Output: JSON (``--out``) and a markdown table on stdout; exit status 1 if a
-checksum differs. The model and the receiver come from
+checksum differs. The model is ``wt_callbacks.demos.synthetic_llama``'s, as in
 ``benchmarks/transfer_throughput.py``.
 """
 
@@ -62,32 +62,29 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.transfer_throughput import (  # noqa: E402 - needs the repository root on sys.path
-    GB,
-    LOOPBACK,
+from wt_callbacks.checksums import module_checksums
+from wt_callbacks.demos.multiprocess import free_port, leave_group_together
+from wt_callbacks.demos.receiver_process import receiver_checksums
+from wt_callbacks.demos.synthetic_llama import (
     TRAINER_SEED,
-    CpuLoadMeter,
     ModelShape,
-    ReceiverProcess,
     SyntheticLlama,
     build_model,
     parse_size,
-    receiver_checksums,
     shape_for,
 )
-from wt_callbacks.checksums import module_checksums  # noqa: E402
-from wt_callbacks.demos.multiprocess import free_port, leave_group_together  # noqa: E402
-from wt_callbacks.transfer import (  # noqa: E402
+from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
     WeightTransferTrainerFactory,
     materialize_full_tensor,
 )
-from wt_callbacks.transfer.backends.torch_dist import DEFAULT_PACKED_BUFFER_SIZE_BYTES  # noqa: E402
+from wt_callbacks.transfer.backends.torch_dist import DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
+from harness import GB, CpuLoadMeter, start_synthetic_receiver
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"
 WORLD_SIZE = 2
 
 
@@ -369,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="wt-fsdp2-") as tmp:
-        log_path = Path(tmp) / "receiver.log"
-        with ReceiverProcess(args.params, log_path, args.timeout, args.torch_threads) as receiver:
+        with start_synthetic_receiver(args.params, torch_threads=args.torch_threads, timeout_s=args.timeout) as receiver:
             print(f"receiver (pid {receiver.proc.pid}) on {receiver.url}", flush=True)
             rank_args = RankArgs(
                 params_text=args.params,
@@ -388,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run_ranks(rank_args, budget_s)
             except BaseException:
-                print(f"receiver log:\n{log_path.read_text()[-3000:]}", file=sys.stderr)
+                print(f"receiver log:\n{receiver.log[-3000:]}", file=sys.stderr)
                 raise
         rows = json.loads(Path(rank_args.rows_path).read_text())
 

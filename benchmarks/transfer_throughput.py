@@ -10,13 +10,11 @@ What it does:
    process to a child process that ``recv_into``'s a reused buffer, and
    memcpy bandwidth.
 2. For each ``--params`` size (default 50M, 200M, 500M) builds a seeded,
-   Llama-shaped fp32 model (embedding, N decoder layers of q/k/v/o +
-   gate/up/down weights and two norms, final norm, lm_head) with plain
-   ``torch.nn``, and starts the reference receiver in a separate process
-   (``python -m wt_callbacks.receiver --module-factory
-   benchmarks.transfer_throughput:receiver_model``; the size travels in the
-   ``WT_BENCH_PARAMS`` environment variable). Its model starts from another
-   seed, so a passing checksum proves the weights really travelled.
+   Llama-shaped fp32 model (``wt_callbacks.demos.synthetic_llama``) and
+   starts the reference receiver in a separate process serving the same
+   shape from another seed (``--module-factory
+   wt_callbacks.demos.synthetic_llama:receiver_model``), so a passing
+   checksum proves the weights really travelled.
 3. For every configuration (``sync_configs``: packed 64 MiB / 256 MiB / 1 GiB
    buckets with 2 and 1 buffers, unpacked, fp32 and bf16 wires, each host
    transport) it re-seeds the trainer model, runs ``trainer_init``, one
@@ -37,17 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import os
 import platform
-import queue
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,124 +50,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from wt_callbacks.demos.receiver_process import ReceiverProcess
+from wt_callbacks.demos.synthetic_llama import TRAINER_SEED, build_model, parse_size, reseed, shape_for
+
+from harness import GB, MiB, CpuLoadMeter, RssSampler, TimedClient, start_synthetic_receiver
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PARAMS_ENV = "WT_BENCH_PARAMS"
-"""Environment variable carrying ``--params`` to the receiver's model factory."""
-TRAINER_SEED = 0
-RECEIVER_SEED = 12345
-MiB = 1024**2
-GB = 1e9
 LOOPBACK = "127.0.0.1"
-
-
-# --------------------------------------------------------------------------- #
-# The synthetic model
-# --------------------------------------------------------------------------- #
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Dimensions of the synthetic Llama-shaped model."""
-
-    hidden: int
-    layers: int
-    vocab: int
-    intermediate: int
-
-    @property
-    def num_params(self) -> int:
-        h, i = self.hidden, self.intermediate
-        per_layer = 4 * h * h + 3 * h * i + 2 * h
-        return 2 * self.vocab * h + self.layers * per_layer + h
-
-
-def parse_size(text: str) -> int:
-    """``"100M"`` -> 100_000_000; accepts K, M, B/G suffixes and plain integers."""
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
-    text = text.strip().upper()
-    if text and text[-1] in scale:
-        return int(float(text[:-1]) * scale[text[-1]])
-    return int(text)
-
-
-def shape_for(target_params: int) -> ModelShape:
-    """A Llama-like shape with about ``target_params`` parameters.
-
-    Vocab is ``min(32000, 64 * hidden)`` and the MLP width is 8/3 of hidden
-    rounded up to a multiple of 64 (Llama's ratios). The hidden size is the
-    largest power-of-two-ish width whose layer count stays >= hidden / 32,
-    i.e. a model deeper than it is wide, as real LLMs are.
-    """
-    best = None
-    for hidden in (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096):
-        vocab = min(32000, 64 * hidden)
-        intermediate = 64 * math.ceil(8 * hidden / 3 / 64)
-        probe = ModelShape(hidden, 1, vocab, intermediate)
-        per_layer = probe.num_params - ModelShape(hidden, 0, vocab, intermediate).num_params
-        layers = round((target_params - 2 * vocab * hidden - hidden) / per_layer)
-        if layers >= max(1, hidden // 32):
-            best = ModelShape(hidden, layers, vocab, intermediate)
-    if best is None:
-        raise ValueError(f"--params {target_params} is too small for this model family (minimum about 1M)")
-    return best
-
-
-class DecoderLayer(nn.Module):
-    """The parameters of one Llama decoder layer (no forward: only weights are synced)."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.self_attn = nn.ModuleDict(
-            {name: nn.Linear(hidden, hidden, bias=False) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
-        )
-        self.mlp = nn.ModuleDict(
-            {
-                "gate_proj": nn.Linear(hidden, intermediate, bias=False),
-                "up_proj": nn.Linear(hidden, intermediate, bias=False),
-                "down_proj": nn.Linear(intermediate, hidden, bias=False),
-            }
-        )
-        self.input_layernorm = nn.Module()
-        self.input_layernorm.weight = nn.Parameter(torch.empty(hidden))
-        self.post_attention_layernorm = nn.Module()
-        self.post_attention_layernorm.weight = nn.Parameter(torch.empty(hidden))
-
-
-class SyntheticLlama(nn.Module):
-    """Llama-shaped parameter container with Hugging Face parameter names."""
-
-    def __init__(self, shape: ModelShape) -> None:
-        super().__init__()
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(shape.vocab, shape.hidden)
-        self.model.layers = nn.ModuleList(DecoderLayer(shape.hidden, shape.intermediate) for _ in range(shape.layers))
-        self.model.norm = nn.Module()
-        self.model.norm.weight = nn.Parameter(torch.empty(shape.hidden))
-        self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
-
-
-def reseed(model: nn.Module, seed: int) -> None:
-    """Overwrite every parameter in place with seeded values (N(0, 0.02); norms around 1)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.02, generator=generator)
-            if "norm" in name:
-                param.add_(1.0)
-
-
-def build_model(shape: ModelShape, seed: int) -> SyntheticLlama:
-    """The synthetic fp32 model, allocated without torch's default init, then seeded."""
-    with torch.device("meta"):
-        model = SyntheticLlama(shape)
-    model = model.to_empty(device="cpu")
-    reseed(model, seed)
-    return model
-
-
-def receiver_model() -> nn.Module:
-    """Module factory for the receiver process: same shape, different seed."""
-    return build_model(shape_for(parse_size(os.environ[PARAMS_ENV])), RECEIVER_SEED)
 
 
 # --------------------------------------------------------------------------- #
@@ -257,216 +140,6 @@ def measure_tcp_ceiling(total_bytes: int, block_bytes: int, trials: int, timeout
     }
 
 
-# --------------------------------------------------------------------------- #
-# The receiver process
-# --------------------------------------------------------------------------- #
-
-
-class ReceiverProcess:
-    """``python -m wt_callbacks.receiver`` in a child process, stopped by PID on exit.
-
-    ``torch_threads`` (if > 0) becomes the child's ``OMP_NUM_THREADS``.
-    """
-
-    def __init__(self, params_text: str, log_path: Path, start_timeout_s: float, torch_threads: int) -> None:
-        self.params_text = params_text
-        self.torch_threads = torch_threads
-        self.log_path = log_path
-        self.start_timeout_s = start_timeout_s
-        self.proc: subprocess.Popen[str] | None = None
-        self.url: str | None = None
-
-    def __enter__(self) -> ReceiverProcess:
-        env = dict(os.environ)
-        env[PARAMS_ENV] = self.params_text
-        if self.torch_threads > 0:
-            env["OMP_NUM_THREADS"] = str(self.torch_threads)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        cmd = [
-            sys.executable, "-m", "wt_callbacks.receiver",
-            "--module-factory", f"benchmarks.transfer_throughput:{receiver_model.__name__}",
-            "--host", LOOPBACK, "--port", "0",
-        ]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
-        try:
-            self.url = self._wait_for_url()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _wait_for_url(self) -> str:
-        """Read stdout on a thread until the "serving on URL" line, for at most ``start_timeout_s``."""
-        assert self.proc is not None and self.proc.stdout is not None
-        lines: queue.Queue[str | None] = queue.Queue()
-        stdout = self.proc.stdout
-
-        def pump() -> None:
-            for line in stdout:
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=pump, name="receiver-stdout", daemon=True).start()
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            try:
-                line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                raise TimeoutError(
-                    f"the receiver did not print its URL within {self.start_timeout_s:g} s; see {self.log_path}"
-                ) from None
-            if line is None:
-                raise RuntimeError(f"the receiver exited with {self.proc.wait(timeout=10)}; see {self.log_path}")
-            if "serving on" in line:
-                return line.rsplit(" ", 1)[-1].strip()
-
-    def stop(self) -> None:
-        """SIGTERM the receiver by PID, SIGKILL it if it is still alive after 10 s."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    def checksums(self, timeout_s: float) -> dict[str, str]:
-        """The receiver's ``GET /weight_checksums``."""
-        assert self.url is not None
-        return receiver_checksums(self.url, timeout_s)
-
-
-def receiver_checksums(url: str, timeout_s: float) -> dict[str, str]:
-    """``GET /weight_checksums`` of the receiver at ``url`` (also from processes
-    that have only its URL, such as spawned trainer ranks)."""
-    import requests
-
-    response = requests.get(f"{url}/weight_checksums", timeout=timeout_s)
-    response.raise_for_status()
-    return response.json()["checksums"]
-
-
-# --------------------------------------------------------------------------- #
-# The trainer side
-# --------------------------------------------------------------------------- #
-
-
-def make_timed_client(url: str, timeout_s: float) -> Any:
-    """An ``HTTPVLLMWeightSyncClient`` that records how long each weight-sync call took."""
-    from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient
-
-    class TimedClient(HTTPVLLMWeightSyncClient):
-        """Records ``call -> seconds`` of the last round in ``self.call_seconds``."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.call_seconds: dict[str, float] = {}
-
-        def _timed(self, call: str, fn: Any, *args: Any) -> None:
-            start = time.perf_counter()
-            try:
-                fn(*args)
-            finally:
-                self.call_seconds[call] = time.perf_counter() - start
-
-        def start_weight_update(self) -> None:
-            self.call_seconds = {}
-            self._timed("start_weight_update", super().start_weight_update)
-
-        def update_weights(self, update_info: Any) -> None:
-            self._timed("update_weights", super().update_weights, update_info)
-
-        def finish_weight_update(self, weight_version: str | None = None) -> None:
-            self._timed("finish_weight_update", super().finish_weight_update, weight_version)
-
-    return TimedClient(url, timeout=timeout_s)
-
-
-class RssSampler:
-    """Peak RSS of this process above a baseline, sampled on a thread every ~``interval_s``."""
-
-    _PAGE = os.sysconf("SC_PAGE_SIZE")
-
-    def __init__(self, interval_s: float = 0.001) -> None:
-        self.interval_s = interval_s
-        self.baseline = 0
-        self.peak = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-
-    @classmethod
-    def rss(cls) -> int:
-        """Current resident set size in bytes (from ``/proc/self/statm``)."""
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * cls._PAGE
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, self.rss())
-            self.samples += 1
-
-    def __enter__(self) -> RssSampler:
-        self.baseline = self.peak = self.rss()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self.peak = max(self.peak, self.rss())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.baseline
-
-
-class CpuLoadMeter:
-    """Average CPU cores used by *other* processes while the block runs.
-
-    The machine may be shared: anything else running inflates the timings,
-    so each configuration reports how busy the rest of the machine was
-    (``/proc/stat`` busy time minus this process's and ``pids``' CPU time).
-    """
-
-    _TICK = os.sysconf("SC_CLK_TCK")
-
-    def __init__(self, *pids: int) -> None:
-        self.pids = (os.getpid(), *pids)
-        self.other_cores = 0.0
-
-    @classmethod
-    def _machine_busy_seconds(cls) -> float:
-        with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
-        return (user + nice + system + irq + softirq) / cls._TICK
-
-    @classmethod
-    def _process_seconds(cls, pid: int) -> float:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / cls._TICK  # utime + stime
-
-    def _snapshot(self) -> tuple[float, float, float]:
-        ours = sum(self._process_seconds(pid) for pid in self.pids)
-        return time.monotonic(), self._machine_busy_seconds(), ours
-
-    def __enter__(self) -> CpuLoadMeter:
-        self._start = self._snapshot()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        end = self._snapshot()
-        wall = end[0] - self._start[0]
-        others = (end[1] - self._start[1]) - (end[2] - self._start[2])
-        self.other_cores = max(others, 0.0) / wall if wall > 0 else 0.0
-
-
 @dataclass(frozen=True)
 class Setup:
     """One measured configuration: a name and the trainer config dict."""
@@ -544,7 +217,7 @@ def run_config(
     from wt_callbacks.transfer import ModuleSource, WeightTransferTrainerFactory
 
     reseed(model, seed)
-    client = make_timed_client(receiver.url, timeout_s)
+    client = TimedClient(receiver.url, timeout=timeout_s)
     init_info = {"master_address": LOOPBACK, "master_port": 0, "rank": 0}
     try:
         engine = WeightTransferTrainerFactory.trainer_init(
@@ -615,7 +288,7 @@ def run_per_parameter(model: nn.Module, receiver: ReceiverProcess, *, rounds: in
 
     source = ModuleSource(model)
     metas = source.metadata()
-    client = make_timed_client(receiver.url, timeout_s)
+    client = TimedClient(receiver.url, timeout=timeout_s)
     engine = WeightTransferTrainerFactory.trainer_init(
         "torch_dist",
         # gloo as for the configurations it is compared with.
@@ -717,11 +390,9 @@ def run_size(params_text: str, args: argparse.Namespace, tcp_gbps: float) -> dic
     model = build_model(shape, TRAINER_SEED)
     params = list(model.parameters())
     print(f"\nmodel {params_text}: {sum(p.numel() for p in params) / 1e6:.1f}M params, {len(params)} tensors, {shape}", flush=True)
-    with tempfile.NamedTemporaryFile(prefix="wt-receiver-", suffix=".log", delete=False) as log:
-        log_path = Path(log.name)
     configs = []
-    with ReceiverProcess(params_text, log_path, args.timeout, args.torch_threads) as receiver:
-        print(f"receiver (pid {receiver.proc.pid}) on {receiver.url}; log {log_path}", flush=True)
+    with start_synthetic_receiver(params_text, torch_threads=args.torch_threads, timeout_s=args.timeout) as receiver:
+        print(f"receiver (pid {receiver.proc.pid}) on {receiver.url}", flush=True)
         for i, sync in enumerate(sync_configs(args.timeout)):
             row = run_config(model, receiver, sync, rounds=args.rounds, seed=TRAINER_SEED + 1 + i, timeout_s=args.timeout)
             configs.append(row)

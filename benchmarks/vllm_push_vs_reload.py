@@ -54,17 +54,11 @@ from typing import Any
 import requests
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+from wt_callbacks.demos import toy_task
+from wt_callbacks.demos.vllm_server import VLLMServer, find_vllm_python, max_logprob_diff, start_vllm_server
+from wt_callbacks.transfer import ModuleSource, WeightTransferTrainerFactory
 
-from benchmarks.transfer_throughput import CpuLoadMeter  # noqa: E402 - needs the repository root on sys.path
-from wt_callbacks.demos import toy_task  # noqa: E402
-from wt_callbacks.demos.vllm_server import VLLMServer, find_vllm_python, max_logprob_diff, start_vllm_server  # noqa: E402
-from wt_callbacks.transfer import (  # noqa: E402
-    HTTPVLLMWeightSyncClient,
-    ModuleSource,
-    WeightTransferTrainerFactory,
-)
+from harness import CpuLoadMeter, TimedClient
 
 SIZES = ("toy", "llama-74M")
 PROMPT_WORDS = "a b c d |"
@@ -119,25 +113,6 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
         p.add_(torch.randn(p.shape, generator=generator) * 0.01)
 
 
-class TimingClient(HTTPVLLMWeightSyncClient):
-    """Records how long each server call of a push takes (the last round's)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.calls: dict[str, float] = {}
-
-    def start_weight_update(self) -> None:
-        self.calls["start_weight_update"] = timed(super().start_weight_update)
-
-    def update_weights(self, update_info: Any) -> None:
-        self.calls["update_weights"] = timed(lambda: super(TimingClient, self).update_weights(update_info))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.calls["finish_weight_update"] = timed(
-            lambda: super(TimingClient, self).finish_weight_update(weight_version)
-        )
-
-
 def server_pids(server: VLLMServer) -> list[int]:
     """The server's processes (launcher, engine core, worker): its process group."""
     pids = []
@@ -177,7 +152,7 @@ def bench_size(
     server = start_vllm_server(python, model_dir, workdir / size / "vllm.log", timeout_s=timeout_s)
     print(f"[{size}] server log: {server.log_path}", flush=True)
     session = requests.Session()
-    client = TimingClient(server.url, timeout=timeout_s)
+    client = TimedClient(server.url, timeout=timeout_s)
 
     def init(config: dict[str, Any]) -> tuple[Any, float]:
         start = time.perf_counter()
@@ -227,7 +202,7 @@ def bench_size(
                         send = time.perf_counter() - start
                         if r:
                             pushes[name]["send"].append(send)
-                            pushes[name]["calls"].append(dict(client.calls))
+                            pushes[name]["calls"].append(dict(client.call_seconds))
                         print(f"[{size}] push[{name}] round {r}{'' if r else ' (warm-up)'}: {send:.3f} s", flush=True)
                 finally:
                     engine.shutdown()
