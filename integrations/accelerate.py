@@ -117,7 +117,7 @@ class WeightSyncHook:
         self.global_step = 0
         self._handles: list[Any] = []
         inner = self._inner_optimizer(optimizer) if optimizer is not None else None
-        self.weight_sync = WeightSync(self.config, client=client)
+        self.weight_sync = WeightSync(self.config, client=client, log=logger.info)
         world_size = accelerator.num_processes
         self.weight_sync.setup(
             accelerator.unwrap_model(model),
@@ -234,12 +234,7 @@ class WeightSyncHook:
     # -- metrics -------------------------------------------------------------
 
     def _report(self, result: SyncResult | None) -> None:
-        if result is None:
-            return
-        metrics = {**result.metrics(), "weight_sync/version": float(self.weight_sync.syncs_completed)}
-        self.accelerator.log(metrics, step=self.global_step)
-        logger.info(
-            f"weight sync {result.version}: {result.seconds:.3f} s, {result.bytes / 1e6:.1f} MB, "
-            f"{result.gbps:.2f} GB/s (gather {result.gather_seconds:.3f} s)",
-            main_process_only=True,
-        )
+        """``result.metrics()`` to ``accelerator.log`` (``WeightSync`` itself logs
+        the round's line, through this module's main-process logger)."""
+        if result is not None:
+            self.accelerator.log(result.metrics(), step=self.global_step)

@@ -24,6 +24,7 @@ Lightning's hooks onto it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any
 
@@ -98,27 +99,11 @@ class WeightSyncCallback(Callback):
         hparams_key: str = "weight_sync",
         client: Any = None,
     ) -> None:
-        self._overrides = {
-            "backend": backend,
-            "every_n_train_steps": every_n_train_steps,
-            "every_n_epochs": every_n_epochs,
-            "train_time_interval": train_time_interval,
-            "sync_on_fit_start": sync_on_fit_start,
-            "sync_on_train_end": sync_on_train_end,
-            "servers": servers,
-            "ray_actors": ray_actors,
-            "ray_namespace": ray_namespace,
-            "module": module,
-            "include": include,
-            "exclude": exclude,
-            "dtype": dtype,
-            "pause": pause,
-            "init_info": init_info,
-            "config": config,
-            "timeout_s": timeout_s,
-            "on_error": on_error,
-            "api_key": api_key,
-        }
+        # The keyword arguments above spell SyncConfig's fields out because
+        # LightningCLI reads a typed signature; the fields, not a second list,
+        # say which of them are overrides (a test holds the two equal).
+        arguments = locals()
+        self._overrides = {f.name: arguments[f.name] for f in dataclasses.fields(SyncConfig)}
         self.hparams_key = hparams_key
         self._client = client
         self.config: SyncConfig | None = None
@@ -173,7 +158,7 @@ class WeightSyncCallback(Callback):
         if self.config is None or trainer.fast_dev_run:
             return
         strategy = trainer.strategy
-        self.weight_sync = WeightSync(self.config, client=self._client)
+        self.weight_sync = WeightSync(self.config, client=self._client, log=rank_zero_info)
         if self._restored:
             self.weight_sync.load_state_dict(self._restored)
         self.weight_sync.setup(
@@ -242,11 +227,12 @@ class WeightSyncCallback(Callback):
         *,
         log_on: str | None = None,
     ) -> None:
-        """Metrics through ``pl_module.log`` where the hook allows it
-        (``log_on``: ``"step"`` or ``"epoch"``), else straight to the loggers."""
-        if result is None or self.weight_sync is None:
+        """``result.metrics()`` through ``pl_module.log`` where the hook allows it
+        (``log_on``: ``"step"`` or ``"epoch"``), else straight to the loggers.
+        (``WeightSync`` itself logs the round's line, through ``rank_zero_info``.)"""
+        if result is None:
             return
-        metrics = {**result.metrics(), "weight_sync/version": float(self.weight_sync.syncs_completed)}
+        metrics = result.metrics()
         if log_on is not None:
             pl_module.log_dict(
                 metrics, on_step=log_on == "step", on_epoch=log_on == "epoch", rank_zero_only=True, sync_dist=False
@@ -255,7 +241,3 @@ class WeightSyncCallback(Callback):
             # Lightning refuses self.log in on_train_start/on_train_end.
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
-        rank_zero_info(
-            f"weight sync {result.version}: {result.seconds:.3f} s, {result.bytes / 1e6:.1f} MB, "
-            f"{result.gbps:.2f} GB/s (gather {result.gather_seconds:.3f} s)"
-        )

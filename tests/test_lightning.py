@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import logging
 import subprocess
@@ -16,6 +18,7 @@ import lightning.pytorch as pl  # noqa: E402
 
 from tests.support import REPO_ROOT  # noqa: E402
 from tests.support.lightning_app import StepHook, run  # noqa: E402
+from wt_callbacks.config import SyncConfig  # noqa: E402
 from wt_callbacks.demos import models  # noqa: E402
 from wt_callbacks.demos.multiprocess import free_port  # noqa: E402
 from wt_callbacks.integrations.lightning import WeightSyncCallback  # noqa: E402
@@ -238,7 +241,17 @@ def test_metrics_sync_now_and_two_callbacks(receiver_proc):
     assert served(second.url)["version_history"] == ["step-0", "step-2", "after-rollout-3", "step-4"]
     assert served(second.url)["checksums"] == result["checksums"]
     logged = {k for _, m in logger.metrics for k in m}
-    for key in ("seconds", "gather_seconds", "transfer_seconds", "bytes", "gbps", "version"):
+    for key in ("seconds", "gather_seconds", "transfer_seconds", "bytes", "gbps", "syncs_completed"):
         assert f"weight_sync/{key}" in logged
     bytes_logged = [m["weight_sync/bytes"] for _, m in logger.metrics if "weight_sync/bytes" in m]
     assert all(b == sum(p.numel() * 4 for p in models.tiny_mlp().parameters()) for b in bytes_logged)
+
+
+def test_callback_arguments_are_the_sync_config_fields():
+    """LightningCLI reads WeightSyncCallback's typed signature, so it spells the
+    section's keys out: exactly SyncConfig's fields, in order, each defaulting
+    to None ("not given", so the hparams value applies)."""
+    parameters = inspect.signature(WeightSyncCallback.__init__).parameters
+    overrides = [p for name, p in parameters.items() if name not in ("self", "hparams_key", "client")]
+    assert [p.name for p in overrides] == [f.name for f in dataclasses.fields(SyncConfig)]
+    assert all(p.default is None and p.kind is inspect.Parameter.KEYWORD_ONLY for p in overrides)

@@ -113,6 +113,8 @@ class SyncResult:
 
     Rank 0 transmits, so its ``bytes``/``gbps``/``transfer_seconds`` describe
     the round; other ranks report ``bytes=0`` and their own gather time.
+    ``metrics()`` is what the framework adapters log, ``summary()`` the one
+    line logged per round.
 
     Attributes:
         version: the weight version the servers now report.
@@ -123,6 +125,8 @@ class SyncResult:
         bytes: bytes put on the wire.
         gbps: effective send rate, GB/s (1e9 bytes per second of the send).
         pause_seconds: the ``/pause`` call.
+        syncs_completed: successful rounds of this ``WeightSync`` so far, this
+            one included (restored from a checkpoint on resume).
     """
 
     version: str
@@ -133,10 +137,18 @@ class SyncResult:
     bytes: int
     gbps: float
     pause_seconds: float
+    syncs_completed: int
 
     def metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
-        """Numeric fields keyed for a framework logger."""
+        """Every numeric field keyed for a framework logger (``weight_sync/bytes``, ...)."""
         return {f"{prefix}{k}": float(v) for k, v in asdict(self).items() if k != "version"}
+
+    def summary(self) -> str:
+        """The round in one line: ``weight sync step-20: 0.151 s, 800.0 MB, 5.29 GB/s (gather 0.010 s)``."""
+        return (
+            f"weight sync {self.version}: {self.seconds:.3f} s, {self.bytes / 1e6:.1f} MB, "
+            f"{self.gbps:.2f} GB/s (gather {self.gather_seconds:.3f} s)"
+        )
 
 
 class _RankZeroOnly:
@@ -161,6 +173,10 @@ class WeightSync:
         client: a ready ``VLLMWeightSyncClient`` used on every rank instead of
             one built from ``config.servers`` / ``config.ray_actors`` (which is
             built on rank 0 only; ``ray_actors`` needs ``ray.init()`` there).
+        log: where trainer rank 0 writes ``SyncResult.summary()`` after each
+            successful round (default: this module's logger, at INFO); a
+            framework adapter passes its framework's, so the line appears
+            with the framework's own output.
 
     A failed round never deadlocks the ranks: every phase ends with an
     agreement, so all ranks take the same branch. With ``on_error="raise"``
@@ -169,9 +185,16 @@ class WeightSync:
     and reconnects at the next due round.
     """
 
-    def __init__(self, config: SyncConfig, *, client: VLLMWeightSyncClient | None = None) -> None:
+    def __init__(
+        self,
+        config: SyncConfig,
+        *,
+        client: VLLMWeightSyncClient | None = None,
+        log: Callable[[str], None] = logger.info,
+    ) -> None:
         self.config = config
         self._given_client = client
+        self._log = log
         self.client: Any = None
         self.source: ModuleSource | None = None
         self.engine: TrainerWeightTransferEngine | None = None
@@ -338,13 +361,10 @@ class WeightSync:
             bytes=stats.bytes,
             gbps=stats.bytes / 1e9 / stats.seconds if stats.seconds > 0 else 0.0,
             pause_seconds=pause_seconds,
+            syncs_completed=self.syncs_completed,
         )
         if self.rank == 0:
-            r = self.last_result
-            logger.info(
-                "weight sync %s: %.3f GB in %.2f s (gather %.2f s, %.2f GB/s)",
-                version, r.bytes / 1e9, r.seconds, r.gather_seconds, r.gbps,
-            )
+            self._log(self.last_result.summary())
         return self.last_result
 
     def _can_pause(self) -> bool:
