@@ -14,16 +14,17 @@ core, each worker) before any engine is built. ``register()`` adds our
 worker that actually creates the engine imports it.
 
 Nothing here is imported by the trainer: the trainer side is
-``wt_callbacks.transfer`` and needs no vLLM.
+``wt_callbacks.transfer`` and needs no vLLM. The CPU performance adjustments
+the plugin makes in vLLM's processes are in ``vllm_cpu_tuning``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
-import sys
 from typing import TYPE_CHECKING, Any
+
+from wt_callbacks.integrations import vllm_cpu_tuning
 
 if TYPE_CHECKING:
     from wt_callbacks.transfer.backends.torch_dist import (
@@ -44,75 +45,13 @@ def register() -> None:
     also call this by hand, and vLLM's factory raises on a duplicate name.
     Cheap: it imports vLLM's factory only; the engine class is resolved
     lazily by the worker that builds it. In the engine core it also makes
-    ``update_weights`` calls wait without spinning (``_poll_during_updates``).
+    ``update_weights`` calls wait without spinning (``vllm_cpu_tuning``).
     """
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, ENGINE_CLASS_NAME)
-    _poll_during_updates()
-
-
-def _poll_during_updates() -> None:
-    """Make the engine core wait for our ``update_weights`` without spinning.
-
-    vLLM's executor waits for a worker's reply by spinning on ``sched_yield``
-    for up to 1 s after its previous read (``SpinCondition.busy_loop_s``), so
-    during an update (which follows ``start_weight_update`` at once) the
-    engine core keeps a core busy doing nothing. The update needs the cores:
-    the worker receives and repacks while the trainer, often on the same
-    host, packs and sends. Polling costs one wake-up per call, nothing next
-    to an update.
-
-    Only the engine core has imported the executor when plugins load (it is
-    handed the executor class), so other processes pay nothing here.
-    """
-    module = sys.modules.get("vllm.v1.executor.multiproc_executor")
-    executor = getattr(module, "MultiprocExecutor", None)
-    if executor is None or getattr(executor.collective_rpc, "_wt_polls_updates", False):
-        return
-    spinning_rpc = executor.collective_rpc
-
-    @functools.wraps(spinning_rpc)
-    def collective_rpc(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
-        config = getattr(self.vllm_config, "weight_transfer_config", None)
-        if method != "update_weights" or getattr(config, "backend", None) != BACKEND:
-            return spinning_rpc(self, method, *args, **kwargs)
-        # Internals of vLLM 0.32: whatever is not there keeps vLLM's own waiting.
-        conditions = [getattr(mq, "_spin_condition", None) for mq in getattr(self, "response_mqs", ())]
-        conditions = [c for c in conditions if c is not None and hasattr(c, "busy_loop_s")]
-        saved = [c.busy_loop_s for c in conditions]
-        for c in conditions:
-            c.busy_loop_s = 0
-        try:
-            return spinning_rpc(self, method, *args, **kwargs)
-        finally:
-            for c, busy_loop_s in zip(conditions, saved):
-                c.busy_loop_s = busy_loop_s
-
-    collective_rpc._wt_polls_updates = True  # type: ignore[attr-defined]
-    executor.collective_rpc = collective_rpc
-
-
-def _keep_freed_host_memory() -> None:
-    """Keep freed memory in this process's heap instead of returning it to the OS.
-
-    Every round allocates a model's worth of host memory (layerwise reload
-    materializes each layer; the CPU kernels repack each Linear weight) and
-    frees the previous round's. glibc serves blocks that large with ``mmap``
-    and unmaps them on free, so each round page-faulted all of it in afresh:
-    for a 300 MB model ~64k faults, 0.1 s of the worker's 0.25 s of
-    post-processing. Kept in the heap, the freed blocks serve the next round;
-    the worker's resident memory stays at its peak instead. This is what
-    vLLM's recommended tcmalloc does on CPU (and tcmalloc ignores these).
-    """
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        return
-    m_trim_threshold, m_mmap_max = -1, -4
-    kept = [mallopt(m_mmap_max, 0), mallopt(m_trim_threshold, -1)]
-    if not all(kept):
-        logger.debug("mallopt refused to keep freed memory; every round page-faults its memory in")
+    vllm_cpu_tuning.poll_during_updates(BACKEND)
 
 
 def __getattr__(name: str) -> Any:
@@ -156,8 +95,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
 
         def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
             super().__init__(config, vllm_config, device, model)
-            if device.type == "cpu":
-                _keep_freed_host_memory()
+            vllm_cpu_tuning.keep_freed_host_memory(device)
 
         def start_weight_update(self) -> None:
             initialize_layerwise_reload(self.model)

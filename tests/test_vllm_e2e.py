@@ -277,6 +277,36 @@ def test_bf16_wire_into_bf16_server(
     assert diff <= BF16_SERVER_ATOL, f"bf16 server differs by {diff:.3g} (stale: {stale:.3g})"
 
 
+def test_cpu_tuning_finds_vllm_internals_and_applies(vllm_python: Path, server: VLLMServer, trainer_model) -> None:
+    """The plugin's CPU adjustments lean on vLLM internals and fall back
+    quietly without them; a vLLM upgrade that moves them must fail here, not
+    make every push slower."""
+    import json
+    import subprocess
+
+    from wt_callbacks.integrations.vllm_cpu_tuning import KEEP_MEMORY, POLLING
+
+    probe = subprocess.run(
+        [str(vllm_python), "-c", "import json; from wt_callbacks.integrations.vllm_cpu_tuning import "
+         "missing_vllm_internals as m; print('missing:', json.dumps(m()))"],
+        cwd="/", capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-5000:]
+    (line,) = [line for line in probe.stdout.splitlines() if line.startswith("missing: ")]
+    assert json.loads(line.removeprefix("missing: ")) == [], line
+    with trainer_engine(server, trainer_model) as (engine, _):
+        engine.send_weights("tuning-check")
+    # Each process that applies one says so once: the worker at model load,
+    # the engine core at its first update.
+    expected = [f"{POLLING}: applied", f"{KEEP_MEMORY}: applied"]
+    deadline = time.monotonic() + 10
+    while not all(e in server.log for e in expected) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = server.log
+    for e in expected:
+        assert log.count(e) == 1, f"{e!r} appears {log.count(e)} times in {server.log_path}"
+
+
 # --------------------------------------------------------------------------- #
 # bad input
 # --------------------------------------------------------------------------- #

@@ -1,0 +1,153 @@
+"""CPU performance adjustments of the vLLM plugin, each applied where it acts.
+
+Into a CPU server they halve the seconds of a push (``benchmarks/README.md``):
+
+* **Engine-core polling** (``poll_during_updates``, installed by ``register()``).
+  vLLM's executor waits for a worker's reply by spinning on ``sched_yield``
+  for up to 1 s after its previous read (``SpinCondition.busy_loop_s``), so
+  during an update (which follows ``start_weight_update`` at once) the engine
+  core keeps a core busy doing nothing. The update needs the cores: the
+  worker receives and repacks while the trainer, often on the same host,
+  packs and sends. Polling costs one wake-up per call, nothing next to an
+  update.
+* **Freed host memory kept** (``keep_freed_host_memory``, by a CPU worker's
+  engine). Every round allocates a model's worth of host memory (layerwise
+  reload materializes each layer; the CPU kernels repack each Linear weight)
+  and frees the previous round's. glibc serves blocks that large with
+  ``mmap`` and unmaps them on free, so each round page-faulted all of it in
+  afresh: for a 300 MB model ~64k faults, 0.1 s of the worker's 0.25 s of
+  post-processing. Kept in the heap, the freed blocks serve the next round;
+  the worker's resident memory stays at its peak instead. This is what
+  vLLM's recommended tcmalloc does on CPU (and tcmalloc ignores these).
+
+Polling leans on vLLM internals that an upgrade may move; where they are
+gone, vLLM's own waiting stays and pushes get slower, nothing breaks.
+``missing_vllm_internals()`` lists what is gone (the vLLM tests fail on it),
+and the process each adjustment acts in logs once whether it was applied,
+or why not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import inspect
+import logging
+import sys
+from typing import Any
+
+# Under vLLM's logger, whose handler vLLM sets up in every process it starts:
+# the lines land in the server's log, at vLLM's log level.
+logger = logging.getLogger(f"vllm.{__name__}")
+
+EXECUTOR_MODULE = "vllm.v1.executor.multiproc_executor"
+POLLING = "poll instead of spinning while the workers run update_weights"
+KEEP_MEMORY = "keep freed host memory in the heap (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=-1)"
+
+_reported: set[str] = set()
+
+
+def _report_once(adjustment: str, where: str, outcome: str, *, level: int = logging.INFO) -> None:
+    """One line per adjustment and process: applied, or not and why."""
+    if adjustment in _reported:
+        return
+    _reported.add(adjustment)
+    logger.log(level, "wt_callbacks CPU tuning in %s: %s: %s", where, adjustment, outcome)
+
+
+def missing_vllm_internals() -> list[str]:
+    """The vLLM internals engine-core polling relies on that this vLLM lacks ([] when all are there).
+
+    Imports vLLM's executor: call it where vLLM is installed.
+    """
+    try:
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    except ImportError as e:
+        return [f"{EXECUTOR_MODULE}.MultiprocExecutor ({e})"]
+    missing = []
+    if not callable(getattr(MultiprocExecutor, "collective_rpc", None)):
+        missing.append("MultiprocExecutor.collective_rpc")
+    # Instance attributes, set in methods: their names in the source are what can be checked.
+    if "response_mqs" not in inspect.getsource(MultiprocExecutor):
+        missing.append("MultiprocExecutor.response_mqs (the queues of the workers' replies)")
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition
+    except ImportError as e:
+        return [*missing, f"vllm.distributed.device_communicators.shm_broadcast.MessageQueue/SpinCondition ({e})"]
+    if "_spin_condition" not in inspect.getsource(MessageQueue):
+        missing.append("MessageQueue._spin_condition")
+    if "busy_loop_s" not in inspect.signature(SpinCondition).parameters:
+        missing.append("SpinCondition(busy_loop_s=...)")
+    return missing
+
+
+def poll_during_updates(backend: str) -> None:
+    """Make the engine core wait for ``update_weights`` of ``backend`` without spinning.
+
+    Patches the executor class in a process that has imported it when plugins
+    load (the engine core is handed the class before); other processes pay
+    nothing. The engine core reports at its first update, when it sees the
+    queues it waits on.
+    """
+    module = sys.modules.get(EXECUTOR_MODULE)
+    if module is None:
+        return
+    executor = getattr(module, "MultiprocExecutor", None)
+    spinning_rpc = getattr(executor, "collective_rpc", None)
+    if spinning_rpc is None:
+        _report_once(
+            POLLING,
+            "this vLLM process",
+            f"not applied: {EXECUTOR_MODULE}.MultiprocExecutor.collective_rpc is gone",
+            level=logging.WARNING,
+        )
+        return
+    if getattr(spinning_rpc, "_wt_polls_updates", False):
+        return
+
+    @functools.wraps(spinning_rpc)
+    def collective_rpc(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+        config = getattr(self.vllm_config, "weight_transfer_config", None)
+        if method != "update_weights" or getattr(config, "backend", None) != backend:
+            return spinning_rpc(self, method, *args, **kwargs)
+        # Whatever is not there keeps vLLM's own waiting.
+        conditions = [getattr(mq, "_spin_condition", None) for mq in getattr(self, "response_mqs", ())]
+        conditions = [c for c in conditions if c is not None and hasattr(c, "busy_loop_s")]
+        if conditions:
+            _report_once(POLLING, "the vLLM engine core", f"applied ({len(conditions)} response queue(s))")
+        else:
+            _report_once(
+                POLLING,
+                "the vLLM engine core",
+                "not applied: the executor's response queues have no _spin_condition.busy_loop_s",
+                level=logging.WARNING,
+            )
+        saved = [c.busy_loop_s for c in conditions]
+        for c in conditions:
+            c.busy_loop_s = 0
+        try:
+            return spinning_rpc(self, method, *args, **kwargs)
+        finally:
+            for c, busy_loop_s in zip(conditions, saved):
+                c.busy_loop_s = busy_loop_s
+
+    collective_rpc._wt_polls_updates = True  # type: ignore[attr-defined]
+    executor.collective_rpc = collective_rpc
+
+
+def keep_freed_host_memory(device: Any) -> None:
+    """Keep freed memory in this process's heap instead of returning it to the OS
+    (a worker whose weights live on ``device``: host memory only)."""
+    if device.type != "cpu":
+        _report_once(KEEP_MEMORY, "this vLLM worker", f"not applied: the weights live on {device}, not in host memory")
+        return
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    m_trim_threshold, m_mmap_max = -1, -4
+    if mallopt is None:
+        outcome = "not applied: the C library has no mallopt (not glibc)"
+    elif not all([mallopt(m_mmap_max, 0), mallopt(m_trim_threshold, -1)]):
+        outcome = "not applied: mallopt refused"
+    else:
+        _report_once(KEEP_MEMORY, "this vLLM worker", "applied")
+        return
+    _report_once(KEEP_MEMORY, "this vLLM worker", f"{outcome}; every round page-faults its memory in", level=logging.WARNING)
