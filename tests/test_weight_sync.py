@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos.multiprocess import free_port, leave_group_together
-from wt_callbacks.naming import CheckpointParameters, checkpoint_name, find_submodule
+from wt_callbacks.naming import checkpoint_name, find_submodule
 from wt_callbacks.receiver import Receiver
 from wt_callbacks.sync import Collectives, WeightSync
 from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferError
@@ -120,11 +120,10 @@ def test_names_through_ddp_compile_and_checkpoint_wrappers(single_process_group)
     layers[1] = checkpoint_wrapper(layers[1])
     wrapped = torch.compile(DistributedDataParallel(trainer))
     assert any("_orig_mod.module.model" in n for n, _ in wrapped.named_parameters())
-    params = CheckpointParameters(wrapped, submodule="model")
-    names = [n for n, _ in params.named_parameters()]
-    assert names == LM_NAMES
-    assert [p for _, p in params.named_parameters()] == list(trainer.model.parameters())
-    whole = [n for n, _ in CheckpointParameters(wrapped).named_parameters()]
+    source = ModuleSource(wrapped, submodule="model")
+    assert [m.name for m in source.metadata()] == LM_NAMES
+    assert all(t is p.detach() or t.data_ptr() == p.data_ptr() for (_, t), p in zip(source, trainer.model.parameters()))
+    whole = [m.name for m in ModuleSource(wrapped).metadata()]
     assert whole == [f"model.{n}" for n in LM_NAMES] + ["value_head.weight", "value_head.bias"]
 
 
@@ -137,19 +136,19 @@ def test_find_submodule_typo_suggests():
 
 
 def test_include_exclude_fnmatch(caplog):
-    params = CheckpointParameters(
+    source = ModuleSource(
         policy(1), submodule="model", include=["model.layers.*", "lm_head.*", "nothing.*"], exclude=["*.bias"]
     )
-    assert [n for n, _ in params.named_parameters()] == [
+    assert [m.name for m in source.metadata()] == [
         "model.layers.0.attn.weight",
         "model.layers.0.mlp.weight",
         "model.layers.1.attn.weight",
         "model.layers.1.mlp.weight",
         "lm_head.weight",
     ]
-    assert "include pattern 'nothing.*' matches none of the 10 parameter names" in caplog.text
+    assert "include pattern 'nothing.*' matches none of the sent names" in caplog.text
     with pytest.raises(ValueError, match=r"nothing to send: module='model' include=\['x\*'\] exclude=\[\] select none of the 10 parameters .*fix include / exclude / module"):
-        CheckpointParameters(policy(1), submodule="model", include=["x*"])
+        ModuleSource(policy(1), submodule="model", include=["x*"])
 
 
 def test_two_parameters_with_one_name_are_refused():
@@ -159,12 +158,12 @@ def test_two_parameters_with_one_name_are_refused():
     clash.module = torch.nn.Module()
     clash.module.lm_head = torch.nn.Linear(2, 2, bias=False)
     with pytest.raises(ValueError, match=r"parameters 'lm_head.weight' and 'module.lm_head.weight' both become 'lm_head.weight' once wrapper prefixes are stripped; send only one of them with module= or exclude="):
-        CheckpointParameters(clash)
+        ModuleSource(clash)
 
 
 def test_source_casts_and_agrees_with_metadata():
     trainer = policy(1)
-    source = ModuleSource(CheckpointParameters(trainer, submodule="model", exclude=["*.bias"]))  # type: ignore[arg-type]
+    source = ModuleSource(trainer, submodule="model", exclude=["*.bias"])
     cast = source.with_wire_dtype(torch.bfloat16)
     metas = cast.metadata()
     items = list(cast)

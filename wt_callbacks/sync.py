@@ -31,15 +31,14 @@ from typing import Any
 import torch
 
 from wt_callbacks.config import SyncConfig
-from wt_callbacks.naming import CheckpointParameters
 from wt_callbacks.transfer.base import (
-    ModuleSource,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightTransferError,
 )
 from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
 from wt_callbacks.transfer.factory import WeightTransferTrainerFactory
+from wt_callbacks.transfer.sources import ModuleSource
 
 logger = logging.getLogger(__name__)
 
@@ -234,10 +233,7 @@ class WeightSync:
         self.rank, self.world_size, self.collectives = rank, world_size, collectives
         cfg = self.config
         # The engine casts to the wire dtype (before any gather) from its config.
-        self.source = ModuleSource(
-            # ModuleSource reads only named_parameters(); see CheckpointParameters.
-            CheckpointParameters(module, submodule=cfg.module, include=cfg.include, exclude=cfg.exclude),  # type: ignore[arg-type]
-        )
+        self.source = ModuleSource(module, submodule=cfg.module, include=cfg.include, exclude=cfg.exclude)
         if self._given_client is not None:
             self.client = self._given_client
         elif rank != 0:

@@ -7,6 +7,7 @@ installed (a receiver subprocess loads its model factory from here):
 * ``toy_task``: a tiny causal LM and a task it learns in a minute on a CPU
   (``python -m wt_callbacks.demos.toy_task DIR`` writes the model).
 * ``models``: small deterministic ``nn.Module`` s for receivers and tests.
+* ``tiny_lms``: tiny causal LMs of the families RL users train (MoE, tied, ...).
 * ``synthetic_llama``: Llama-shaped weights of any size, for benchmarks.
 * ``receiver_process``: the reference receiver in a child process, and its checksums.
 * ``multiprocess``: a free port, leaving a process group together.

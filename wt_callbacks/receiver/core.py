@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from wt_callbacks.checksums import module_checksums
-from wt_callbacks.transfer.base import WeightTransferConfig, WeightTransferUpdatePayload, dtype_name
+from wt_callbacks.transfer.base import ParamMeta, WeightTransferConfig, WeightTransferUpdatePayload, dtype_name
 from wt_callbacks.transfer.factory import WeightTransferEngineFactory
+from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout
 
 COMPLETION_PAUSE_WAIT_S = 300.0
 """How long a completion request waits for a paused receiver to resume."""
@@ -30,40 +31,46 @@ class StagedWeights:
 
     Given to the worker engine through ``set_weight_update_target``: the
     engine calls ``validate_update`` before receiving and ``load_weights``
-    while receiving, exactly as it would call a vLLM model.
+    while receiving, exactly as it would call a vLLM model. Names are the
+    checkpoint's, as a vLLM server takes them: a transformers model's
+    in-memory conversions (packed MoE experts) are applied at commit, as
+    ``from_pretrained`` applies them.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, layout: CheckpointLayout | None = None) -> None:
         self._params = dict(model.named_parameters())
+        self._layout = layout if layout is not None else CheckpointLayout(model)
+        groups = self._layout.plan([ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self._params.items()])
+        self._group_of = {o.name: g for g in groups for o in g.outputs}
+        self._expected = {o.name: o for g in groups for o in g.outputs}
         self._staged: dict[str, torch.Tensor] = {}
 
     def validate_update(
         self, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[tuple[int, ...]]
     ) -> None:
-        unknown = [n for n in names if n not in self._params]
+        unknown = [n for n in names if n not in self._expected]
         if unknown:
             raise ValueError(
                 f"{len(unknown)} parameter name(s) not in the served model, e.g. {unknown[:3]}; "
-                f"the model has e.g. {list(self._params)[:3]}. Check the trainer's module / name "
+                f"the model has e.g. {list(self._expected)[:3]}. Check the trainer's module / name "
                 "prefixes (select the submodule that holds the checkpoint)"
             )
         for name, dtype, shape in zip(names, dtypes, shapes):
-            param = self._params[name]
-            if tuple(param.shape) != tuple(shape):
+            expected = self._expected[name]
+            if tuple(expected.shape) != tuple(shape):
                 raise ValueError(
                     f"shape mismatch for {name!r}: trainer sends {list(shape)}, the served model has "
-                    f"{list(param.shape)}"
+                    f"{list(expected.shape)}"
                 )
-            if dtype.is_floating_point != param.dtype.is_floating_point:
+            if dtype.is_floating_point != expected.dtype.is_floating_point:
                 raise ValueError(
                     f"dtype mismatch for {name!r}: trainer sends {dtype_name(dtype)}, the served "
-                    f"model has {dtype_name(param.dtype)}"
+                    f"model has {dtype_name(expected.dtype)}"
                 )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
-            param = self._params.get(name)
-            if param is None:
+            if name not in self._expected:
                 raise ValueError(f"parameter {name!r} is not in the served model")
             # Received tensors are views into the round's receive buffers:
             # staging keeps them as they are. A wire dtype other than the
@@ -72,9 +79,23 @@ class StagedWeights:
             self._staged[name] = tensor
 
     def commit(self) -> None:
+        done: set[int] = set()
         with torch.no_grad():
-            for name, tensor in self._staged.items():
-                self._params[name].copy_(tensor)
+            for name in list(self._staged):
+                group = self._group_of[name]
+                if id(group) in done:
+                    continue
+                done.add(id(group))
+                if not group.converted:
+                    self._params[group.inputs[0]].copy_(self._staged.pop(name))
+                    continue
+                # A converted group is rebuilt whole: tensors the round left
+                # out keep their current values.
+                current = self._layout.to_checkpoint(group, {i: self._params[i] for i in group.inputs})
+                outputs = {o.name: self._staged.pop(o.name, None) for o in group.outputs}
+                outputs = {n: current[n] if t is None else t.to(current[n].dtype) for n, t in outputs.items()}
+                for param_name, tensor in self._layout.to_memory(group, outputs).items():
+                    self._params[param_name].copy_(tensor)
         self._staged.clear()
 
 
@@ -104,6 +125,8 @@ class ReceiverCore:
         self.version_history: list[str] = []
         self.updates_completed = 0
         self._stage: StagedWeights | None = None
+        # Planned once: the model's parameters do not change shape.
+        self._layout = CheckpointLayout(model)
         # One weight operation at a time, as vLLM's engine core runs them;
         # generation takes it too, so it never sees a half-applied round.
         self._lock = threading.Lock()
@@ -171,7 +194,7 @@ class ReceiverCore:
         with self._lock:
             if self._stage is not None:
                 raise RuntimeError("A weight update is already active. Call finish_weight_update first.")
-            stage = StagedWeights(self.model)
+            stage = StagedWeights(self.model, self._layout)
             self.engine.set_weight_update_target(stage, None)
             try:
                 self.engine.start_weight_update()
@@ -225,7 +248,7 @@ class ReceiverCore:
         with self._lock:
             if self._stage is not None:
                 raise RuntimeError("Cannot reload weights while a weight update is active.")
-            stage = StagedWeights(self.model)
+            stage = StagedWeights(self.model, self._layout)
             for file in files:
                 tensors = load_file(file)
                 stage.validate_update(list(tensors), [t.dtype for t in tensors.values()], [tuple(t.shape) for t in tensors.values()])

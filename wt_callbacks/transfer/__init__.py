@@ -6,7 +6,6 @@ vLLM's API runs unchanged, and the wire dicts match vLLM's so a vLLM server
 """
 
 from wt_callbacks.transfer.base import (
-    ModuleSource,
     ParamMeta,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
@@ -26,6 +25,7 @@ from wt_callbacks.transfer.clients import (
     RayVLLMWeightSyncClient,
     WeightSyncHTTPError,
 )
+from wt_callbacks.transfer.sources import ModuleSource
 from wt_callbacks.transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 __all__ = [

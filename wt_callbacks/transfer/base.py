@@ -8,7 +8,6 @@ vLLM: training environments rarely can install it (it pins torch exactly).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import inspect
@@ -229,56 +228,6 @@ class _CastSource(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self._inner:
             yield name, tensor.to(self._dtype) if tensor.is_floating_point() else tensor
-
-
-class ModuleSource(WeightSource):
-    """``WeightSource`` over ``module.named_parameters()``: the common case.
-
-    Handles plain and FSDP2-sharded modules alike: iteration all-gathers each
-    ``DTensor`` via ``full_tensor()`` (a collective) and passes regular
-    tensors through. ``metadata()`` reads the *global* ``.shape`` / ``.dtype``,
-    so it never gathers.
-
-    Args:
-        module: the module whose parameters are sent.
-        dtype: wire dtype for floating-point parameters (``None``: each
-            parameter's own). The cast happens on the local shard, *before*
-            the gather.
-    """
-
-    def __init__(self, module: torch.nn.Module, *, dtype: torch.dtype | None = None) -> None:
-        self._module = module
-        self._dtype = dtype
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self._module
-
-    def _wire_dtype(self, param: torch.Tensor) -> torch.dtype:
-        if self._dtype is not None and param.dtype.is_floating_point:
-            return self._dtype
-        return param.dtype
-
-    def metadata(self) -> list[ParamMeta]:
-        return [
-            ParamMeta(name, self._wire_dtype(p), tuple(p.shape))
-            for name, p in self._module.named_parameters()
-        ]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self._module.named_parameters():
-            tensor = param.detach()
-            wire = self._wire_dtype(param)
-            if tensor.dtype != wire:
-                tensor = tensor.to(wire)
-            yield name, materialize_full_tensor(tensor)
-
-    def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightSource:
-        if dtype is None or dtype == self._dtype:
-            return self
-        cast = copy.copy(self)  # keeps a subclass's behaviour
-        cast._dtype = dtype
-        return cast
 
 
 # --------------------------------------------------------------------------- #

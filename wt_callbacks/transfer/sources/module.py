@@ -1,0 +1,194 @@
+"""``ModuleSource``: the weights of a training module as a server loads them.
+
+The one source the framework adapters build, from the module as the training
+framework holds it. Four concerns, each in its own room:
+
+* gathering, per sharding scheme, detected from the module
+  (``sources.gathering``): full tensors, cast to the wire dtype before the
+  gather, every rank in the same order;
+* names (``wt_callbacks.naming``): the selected submodule, wrapper segments
+  such as ``module.`` or ``_orig_mod.`` stripped;
+* the checkpoint format (``sources.checkpoint_format``): transformers'
+  in-memory conversions undone per tensor group;
+* selection: ``include`` / ``exclude`` on the names sent.
+
+The plan linking them (which parameters feed which sent tensors) is built
+from names and shapes alone, so ``metadata()`` never gathers, and it is
+rebuilt only when the parameters change (``fully_shard`` after setup).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+import torch
+
+from wt_callbacks.naming import checkpoint_name, find_submodule
+from wt_callbacks.transfer.base import ParamMeta, WeightSource
+from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout, ConversionGroup
+from wt_callbacks.transfer.sources.gathering import ParameterGather, gather_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one round gathers and sends, derived from the parameters' metadata."""
+
+    key: tuple[ParamMeta, ...]
+    gather_names: tuple[str, ...]
+    """Names as the module holds them, to gather, in stream order."""
+    groups: tuple[ConversionGroup, ...]
+    """The groups with at least one sent output, in completion order."""
+    sent: frozenset[str]
+    unselected: frozenset[str]
+
+    @property
+    def metadata(self) -> list[ParamMeta]:
+        return [o for g in self.groups for o in g.outputs if o.name in self.sent]
+
+
+class ModuleSource(WeightSource):
+    """``WeightSource`` over a (possibly wrapped or sharded) module, in checkpoint format.
+
+    Iterating yields what ``save_pretrained`` would write for the selected
+    module: checkpoint names, full shapes and layouts, tied parameters once.
+    A module that is not a transformers model is sent as its
+    ``named_parameters()`` (wrapper segments stripped).
+
+    Args:
+        module: the module as the training framework holds it: plain, DDP,
+            ``torch.compile``, activation checkpointing, FSDP2 (``fully_shard``).
+            The sharding scheme is detected, never configured.
+        dtype: wire dtype for floating-point parameters (``None``: each
+            parameter's own). The cast happens before any gather, halving the
+            gathered bytes for a bf16 wire.
+        submodule: path of the part to send, in checkpoint naming (``"model"``
+            for ``pl_module.model``); ``None`` sends the whole module.
+        include: ``fnmatch`` patterns; a sent name is kept if it matches one
+            (empty: all).
+        exclude: ``fnmatch`` patterns; a sent name matching one is dropped.
+
+    Raises:
+        ValueError: at construction, naming what to fix: an unknown
+            submodule, two parameters with one checkpoint name, patterns that
+            leave nothing to send, a sharding scheme that cannot be gathered,
+            a conversion transformers cannot reverse.
+
+    Every trainer rank must build and iterate the same source: gathers are
+    collectives.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        dtype: torch.dtype | None = None,
+        submodule: str | None = None,
+        include: Sequence[str] = (),
+        exclude: Sequence[str] = (),
+    ) -> None:
+        self._module = module
+        self._dtype = dtype
+        self._submodule = submodule
+        self.include = tuple(include)
+        self.exclude = tuple(exclude)
+        self._root = find_submodule(module, submodule)
+        self._gather: ParameterGather = gather_for(self._root)
+        self._layout = CheckpointLayout(self._root)
+        self._plan_cache: _Plan | None = None
+        plan = self._plan()
+        for key, patterns in (("include", self.include), ("exclude", self.exclude)):
+            for pattern in patterns:
+                if not any(fnmatchcase(n, pattern) for n in plan.sent | plan.unselected):
+                    logger.warning("%s pattern %r matches none of the sent names", key, pattern)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The module given (as the framework holds it)."""
+        return self._module
+
+    def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightSource:
+        if dtype is None or dtype == self._dtype:
+            return self
+        cast = copy.copy(self)
+        cast._dtype = dtype
+        cast._plan_cache = None
+        return cast
+
+    def metadata(self) -> list[ParamMeta]:
+        return self._plan().metadata
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        plan = self._plan()
+        raw_to_name = {raw: checkpoint_name(raw) for raw in plan.gather_names}
+        gathered = ((raw_to_name[raw], t) for raw, t in self._gather.gather(plan.gather_names, self._dtype))
+        yield from self._convert(plan, gathered)
+
+    # -- the plan --------------------------------------------------------------
+
+    def _wire(self, dtype: torch.dtype) -> torch.dtype:
+        return self._dtype if self._dtype is not None and dtype.is_floating_point else dtype
+
+    def _selected(self, name: str) -> bool:
+        if self.include and not any(fnmatchcase(name, p) for p in self.include):
+            return False
+        return not any(fnmatchcase(name, p) for p in self.exclude)
+
+    def _plan(self) -> _Plan:
+        key = tuple(ParamMeta(m.name, self._wire(m.dtype), m.shape) for m in self._gather.parameters())
+        if self._plan_cache is not None and self._plan_cache.key == key:
+            return self._plan_cache
+        origin: dict[str, str] = {}
+        metas = []
+        for m in key:
+            name = checkpoint_name(m.name)
+            if name in origin:
+                raise ValueError(
+                    f"parameters {origin[name]!r} and {m.name!r} both become {name!r} once wrapper "
+                    "prefixes are stripped; send only one of them with module= or exclude="
+                )
+            origin[name] = m.name
+            metas.append(ParamMeta(name, m.dtype, m.shape))
+        groups = self._layout.plan(metas)
+        outputs = {o.name for g in groups for o in g.outputs}
+        sent = frozenset(n for n in outputs if self._selected(n))
+        if not sent:
+            names = [m.name for m in metas]
+            raise ValueError(
+                f"nothing to send: module={self._submodule!r} include={list(self.include)} "
+                f"exclude={list(self.exclude)} select none of the {len(names)} parameters "
+                f"(names look like {names[:4]}); fix include / exclude / module"
+            )
+        kept = tuple(g for g in groups if any(o.name in sent for o in g.outputs))
+        needed = {i for g in kept for i in g.inputs}
+        self._plan_cache = _Plan(
+            key=key,
+            gather_names=tuple(origin[m.name] for m in metas if m.name in needed),
+            groups=kept,
+            sent=sent,
+            unselected=frozenset(outputs - sent),
+        )
+        return self._plan_cache
+
+    def _convert(self, plan: _Plan, gathered: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Gathered in-memory tensors to the sent checkpoint tensors, a group
+        at a time: a group's tensors are held only until its last one arrives."""
+        completes = {g.inputs[-1]: g for g in plan.groups}
+        waiting: dict[str, torch.Tensor] = {}
+        for name, tensor in gathered:
+            waiting[name] = tensor
+            del tensor
+            group = completes.get(name)
+            if group is None:
+                continue
+            outputs = self._layout.to_checkpoint(group, {i: waiting.pop(i) for i in group.inputs})
+            for out in group.outputs:
+                tensor = outputs.pop(out.name)
+                if out.name in plan.sent:
+                    yield out.name, tensor
+                del tensor
