@@ -177,9 +177,11 @@ class WeightSyncHook:
         if self.weight_sync.maybe_sync(self.global_step, epoch_end=True):
             self._report(self.weight_sync.last_result)
 
-    def sync_now(self, version: str | None = None) -> SyncResult | None:
-        """Sync right now; call on every process. ``None`` if it failed under ``on_error="warn"``."""
-        result = self.weight_sync.sync(self.global_step, version)
+    def sync_now(self, version: str | None = None, *, verify: bool = False) -> SyncResult | None:
+        """Sync right now; call on every process. ``verify`` checks what the
+        servers serve afterwards (see ``wt_callbacks.verify``). ``None`` if it
+        failed under ``on_error="warn"``."""
+        result = self.weight_sync.sync(self.global_step, version, verify=verify)
         if result is not None:
             self._cold_sync_pending = False
         self._report(result)

@@ -96,6 +96,8 @@ class WeightSyncCallback(Callback):
         timeout_s: float | None = None,
         on_error: str | None = None,
         api_key: str | None = None,
+        verify_every_n_syncs: int | None = None,
+        verify_tolerance: float | None = None,
         hparams_key: str = "weight_sync",
         client: Any = None,
     ) -> None:
@@ -206,16 +208,17 @@ class WeightSyncCallback(Callback):
 
     # -- manual syncs and metrics ------------------------------------------
 
-    def sync_now(self, trainer: pl.Trainer, version: str | None = None) -> SyncResult | None:
+    def sync_now(self, trainer: pl.Trainer, version: str | None = None, *, verify: bool = False) -> SyncResult | None:
         """Sync right now (e.g. after each rollout batch of a custom loop).
 
         Call on every rank: the gathers of a sharded model are collectives.
-        Returns the round's metrics, or ``None`` if it failed under
-        ``on_error="warn"``.
+        ``verify`` checks what the servers serve afterwards (see
+        ``wt_callbacks.verify``). Returns the round's metrics, or ``None`` if
+        it failed under ``on_error="warn"``.
         """
         if self.weight_sync is None:
             raise RuntimeError("sync_now() works between on_fit_start and teardown of a fit")
-        result = self.weight_sync.sync(trainer.global_step, version)
+        result = self.weight_sync.sync(trainer.global_step, version, verify=verify)
         self._report(trainer, trainer.lightning_module, result)
         return result
 

@@ -101,6 +101,13 @@ class SyncConfig:
             keeps training and reconnects at the next due round.
         api_key: bearer token for servers started with ``--api-key``
             (default: the ``VLLM_API_KEY`` environment variable).
+        verify_every_n_syncs: after every K-th round, check what the servers
+            serve: greedy logprobs of fixed probe prompts against the
+            trainer's own model on the same tokens (``wt_callbacks.verify``);
+            ``0`` turns it off. Needs ``servers`` and a causal-LM ``module``.
+        verify_tolerance: largest |logprob difference| a check accepts before
+            the round fails (per ``on_error``); default by wire dtype
+            (``wt_callbacks.verify.DEFAULT_TOLERANCES``).
     """
 
     backend: str = "torch_dist"
@@ -122,6 +129,8 @@ class SyncConfig:
     timeout_s: float = 300.0
     on_error: str = "raise"
     api_key: str | None = None
+    verify_every_n_syncs: int = 0
+    verify_tolerance: float | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in TRIGGER_KEYS if getattr(self, k) is not None]
@@ -134,6 +143,16 @@ class SyncConfig:
         for key in given:
             check_positive(key, getattr(self, key), integer=key != "train_time_interval")
         check_positive("timeout_s", self.timeout_s)
+        if self.verify_every_n_syncs != 0:
+            check_positive("verify_every_n_syncs", self.verify_every_n_syncs, integer=True)
+            if not self.servers:
+                raise ValueError(
+                    "verify_every_n_syncs: verification asks the servers for completions over HTTP; "
+                    "it needs servers: [http://host:port, ...], not ray_actors"
+                )
+        tolerance = self.verify_tolerance
+        if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance <= 0):
+            raise ValueError(f"verify_tolerance={tolerance!r} must be a positive number (nats of logprob)")
 
         available = WeightTransferTrainerFactory.available()
         if self.backend not in available:

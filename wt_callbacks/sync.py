@@ -39,6 +39,7 @@ from wt_callbacks.transfer.base import (
 from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
 from wt_callbacks.transfer.factory import WeightTransferTrainerFactory
 from wt_callbacks.transfer.sources import ModuleSource
+from wt_callbacks.verify import Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,9 @@ class SyncResult:
         pause_seconds: the ``/pause`` call.
         syncs_completed: successful rounds of this ``WeightSync`` so far, this
             one included (restored from a checkpoint on resume).
+        verify_max_logprob_diff: when the round was verified, the largest
+            |logprob difference| between a server and the trainer's model on
+            the probe prompts (``wt_callbacks.verify``); ``None`` otherwise.
     """
 
     version: str
@@ -137,16 +141,22 @@ class SyncResult:
     gbps: float
     pause_seconds: float
     syncs_completed: int
+    verify_max_logprob_diff: float | None = None
 
     def metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
         """Every numeric field keyed for a framework logger (``weight_sync/bytes``, ...)."""
-        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items() if k != "version"}
+        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items() if k != "version" and v is not None}
 
     def summary(self) -> str:
         """The round in one line: ``weight sync step-20: 0.151 s, 800.0 MB, 5.29 GB/s (gather 0.010 s)``."""
         return (
             f"weight sync {self.version}: {self.seconds:.3f} s, {self.bytes / 1e6:.1f} MB, "
             f"{self.gbps:.2f} GB/s (gather {self.gather_seconds:.3f} s)"
+            + (
+                f", verified: max logprob diff {self.verify_max_logprob_diff:.2e}"
+                if self.verify_max_logprob_diff is not None
+                else ""
+            )
         )
 
 
@@ -209,6 +219,7 @@ class WeightSync:
         self._last_time_check_step: int | None = None
         self._last_attempted_step: int | None = None
         self._paused = False
+        self._verifier: Verifier | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -234,6 +245,7 @@ class WeightSync:
         cfg = self.config
         # The engine casts to the wire dtype (before any gather) from its config.
         self.source = ModuleSource(module, submodule=cfg.module, include=cfg.include, exclude=cfg.exclude)
+        self._verifier = Verifier.for_config(cfg, self.source) if cfg.verify_every_n_syncs else None
         if self._given_client is not None:
             self.client = self._given_client
         elif rank != 0:
@@ -303,13 +315,18 @@ class WeightSync:
 
     # -- the round -----------------------------------------------------------
 
-    def sync(self, step: int, version: str | None = None, *, now: float | None = None) -> SyncResult | None:
+    def sync(
+        self, step: int, version: str | None = None, *, now: float | None = None, verify: bool = False
+    ) -> SyncResult | None:
         """One round on every rank (DESIGN.md "One sync round").
 
         Returns the round's metrics, or ``None`` when it failed under
         ``on_error="warn"``. ``version`` defaults to ``f"step-{step}"``;
         ``now`` (``time.monotonic()`` seconds, default: now) restarts the
         ``train_time_interval`` clock, in the clock ``maybe_sync`` was given.
+        ``verify`` checks what the servers serve after this round, whatever
+        ``verify_every_n_syncs`` says (see ``wt_callbacks.verify``); a check
+        beyond the tolerance fails the round.
         """
         if self.source is None:
             raise RuntimeError("call setup(module, rank, world_size) before sync()")
@@ -335,9 +352,18 @@ class WeightSync:
             self.engine.send_weights(version)
             self._resume()  # before the agreement: generation restarts while the ranks agree
 
+        verify_diff: float | None = None
+        verifier = self._verifier_for(verify)
+
+        def check() -> None:
+            nonlocal verify_diff
+            assert verifier is not None
+            verify_diff = verifier.check(self.rank, self.world_size, self.collectives)
+
         what = f"round for step {step} (version {version!r})"
         try:
             ok = self._phase(begin, what) and self._phase(send, what)
+            ok = ok and (verifier is None or self._phase(check, f"verification of {what}"))
         finally:
             # A no-op unless the round failed before send() resumed: the
             # servers are never left paused, whatever happened.
@@ -358,10 +384,22 @@ class WeightSync:
             gbps=stats.bytes / 1e9 / stats.seconds if stats.seconds > 0 else 0.0,
             pause_seconds=pause_seconds,
             syncs_completed=self.syncs_completed,
+            verify_max_logprob_diff=verify_diff,
         )
         if self.rank == 0:
             self._log(self.last_result.summary())
         return self.last_result
+
+    def _verifier_for(self, asked: bool) -> Verifier | None:
+        """The verifier if this round is checked: asked for, or every
+        ``verify_every_n_syncs``-th successful round (this one counted)."""
+        every = self.config.verify_every_n_syncs
+        if not asked and not (every and (self.syncs_completed + 1) % every == 0):
+            return None
+        if self._verifier is None:
+            assert self.source is not None
+            self._verifier = Verifier.for_config(self.config, self.source)
+        return self._verifier
 
     def _can_pause(self) -> bool:
         return self.config.pause_mode is not None and callable(getattr(self.client, "pause", None))

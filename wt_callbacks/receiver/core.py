@@ -143,38 +143,67 @@ class ReceiverCore:
     def resume(self) -> None:
         self._unpaused.set()
 
-    def complete(self, prompts: Sequence[str], max_tokens: int, logprobs: bool) -> list[dict[str, Any]]:
+    def complete(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_tokens: int,
+        logprobs: bool,
+        *,
+        ignore_eos: bool = False,
+        tokens_as_ids: bool = False,
+    ) -> list[dict[str, Any]]:
         """Greedy completions (what the quickstart and tests ask a server for).
 
-        Refused while paused: the HTTP route waits out a pause before calling
-        this (vLLM's ``keep``/``wait`` behaviour for new requests).
+        A prompt is text (needs the tokenizer) or token ids, as vLLM takes
+        both; ``ignore_eos`` and ``tokens_as_ids`` are vLLM's
+        ``ignore_eos`` and ``return_tokens_as_token_ids`` (tokens reported as
+        ``"token_id:N"``, which needs no tokenizer). Refused while paused: the
+        HTTP route waits out a pause before calling this (vLLM's
+        ``keep``/``wait`` behaviour for new requests).
         """
-        if self.tokenizer is None or not callable(getattr(self.model, "generate", None)):
-            raise ValueError("this receiver serves no completions: it needs a transformers model and tokenizer")
+        if not callable(getattr(self.model, "generate", None)):
+            raise ValueError("this receiver serves no completions: it needs a transformers causal LM")
+        needs_tokenizer = not tokens_as_ids or any(isinstance(p, str) for p in prompts)
+        if needs_tokenizer and self.tokenizer is None:
+            raise ValueError(
+                "this receiver has no tokenizer: send prompts as token ids with return_tokens_as_token_ids"
+            )
         if self.paused:
             raise TimeoutError(f"generation stayed paused for more than {COMPLETION_PAUSE_WAIT_S:g} s")
+        pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
         choices = []
         with self._lock, torch.no_grad():
             for index, prompt in enumerate(prompts):
-                ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"].to(self.engine.device)
+                if isinstance(prompt, str):
+                    ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+                else:
+                    ids = torch.tensor([list(prompt)])
+                ids = ids.to(self.engine.device)
                 out = self.model.generate(
                     ids,
+                    attention_mask=torch.ones_like(ids),
                     max_new_tokens=max_tokens,
+                    min_new_tokens=max_tokens if ignore_eos else None,
                     do_sample=False,
                     output_logits=True,
                     return_dict_in_generate=True,
-                    pad_token_id=self.tokenizer.pad_token_id,
+                    pad_token_id=pad,
                 )
                 new_ids = out.sequences[0, ids.shape[1] :].tolist()
                 choice: dict[str, Any] = {
                     "index": index,
-                    "text": self.tokenizer.decode(new_ids, skip_special_tokens=True),
+                    "text": self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer else "",
                     "finish_reason": "length" if len(new_ids) == max_tokens else "stop",
                 }
                 if logprobs:
                     steps = [torch.log_softmax(logit[0].float(), dim=-1) for logit in out.logits]
+                    tokens = (
+                        [f"token_id:{t}" for t in new_ids]
+                        if tokens_as_ids
+                        else self.tokenizer.convert_ids_to_tokens(new_ids)
+                    )
                     choice["logprobs"] = {
-                        "tokens": self.tokenizer.convert_ids_to_tokens(new_ids),
+                        "tokens": tokens,
                         "token_logprobs": [step[t].item() for step, t in zip(steps, new_ids)],
                     }
                 choices.append(choice)

@@ -139,10 +139,9 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
 
     @app.post("/v1/completions")
     async def completions(body: dict[str, Any] = Body(...)) -> Any:
-        prompt = body.get("prompt")
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-            return _error(400, "prompt must be a string or a list of strings")
+        prompts = _prompts(body.get("prompt"))
+        if prompts is None:
+            return _error(400, "prompt must be a string, a list of strings, token ids or a list of token-id lists")
         if body.get("temperature", 0) not in (0, 0.0, None):
             return _error(400, "the reference receiver decodes greedily only: use temperature 0")
         max_tokens = body.get("max_tokens", 16)
@@ -155,7 +154,13 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
                 break
             await anyio.sleep(0.01)
         choices = await anyio.to_thread.run_sync(
-            lambda: core.complete(prompts, max_tokens, logprobs=body.get("logprobs") is not None)
+            lambda: core.complete(
+                prompts,
+                max_tokens,
+                logprobs=body.get("logprobs") is not None,
+                ignore_eos=bool(body.get("ignore_eos", False)),
+                tokens_as_ids=bool(body.get("return_tokens_as_token_ids", False)),
+            )
         )
         return {"object": "text_completion", "model": model_name, "choices": choices}
 
@@ -232,3 +237,15 @@ class Receiver:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _prompts(prompt: Any) -> list[str | list[int]] | None:
+    """vLLM's prompt forms as a list of prompts, or None when it is none of them."""
+    def is_ids(value: Any) -> bool:
+        return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if isinstance(prompt, str) or is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        return list(prompt)
+    return None

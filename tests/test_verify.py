@@ -1,0 +1,92 @@
+"""Verification: after a round, the servers' greedy logprobs on fixed probes
+against the trainer model's (``verify_every_n_syncs``, ``sync(verify=True)``).
+
+Against reference receivers in their own processes, serving a tiny MoE from
+token-id prompts (no tokenizer on either side), as they would a vLLM server.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from wt_callbacks.config import SyncConfig
+from wt_callbacks.demos.models import tiny_mlp
+from wt_callbacks.demos.tiny_lms import TINY_LMS
+from wt_callbacks.sync import WeightSync
+from wt_callbacks.transfer import WeightTransferError
+from wt_callbacks.verify import ProbeSet, served_logprob_diff
+
+FACTORY = "wt_callbacks.demos.tiny_lms:qwen3_moe"
+
+
+def sync_config(url: str, **kwargs) -> SyncConfig:
+    return SyncConfig(servers=[url], timeout_s=30, pause="none", **kwargs)
+
+
+def test_every_kth_round_is_verified_and_logged(receiver_proc):
+    receiver = receiver_proc(FACTORY)
+    model = TINY_LMS["qwen3_moe"](seed=0)
+    assert served_logprob_diff(model, receiver.url)[receiver.url] > 0.1  # another model is served
+    ws = WeightSync(sync_config(receiver.url, verify_every_n_syncs=2))
+    ws.setup(model)
+    try:
+        results = [ws.sync(step) for step in (1, 2, 3, 4)]
+    finally:
+        ws.close()
+    diffs = [r.verify_max_logprob_diff for r in results]
+    assert diffs[0] is None and diffs[2] is None
+    assert diffs[1] is not None and diffs[1] < 1e-4 and diffs[3] < 1e-4
+    assert "weight_sync/verify_max_logprob_diff" in results[1].metrics()
+    assert "weight_sync/verify_max_logprob_diff" not in results[0].metrics()
+    assert "verified: max logprob diff" in results[1].summary()
+
+
+def test_a_server_that_misses_a_layer_fails_verification(receiver_proc, caplog):
+    """A round that left the served lm_head stale (what vLLM's layerwise
+    reload does to a tied lm_head): every call succeeded, the check does not."""
+    receiver = receiver_proc(FACTORY)
+    model = TINY_LMS["qwen3_moe"](seed=0)
+    ws = WeightSync(sync_config(receiver.url, exclude=["lm_head.weight"]))
+    ws.setup(model)
+    try:
+        with pytest.raises(WeightTransferError, match=r"verification failed: .* serves logprobs up to .* nats away from the trainer's model on the probe prompts \(verify_tolerance 0.001\)"):
+            ws.sync(1, verify=True)
+        assert ws.last_synced_step is None  # the round is not counted as done
+        warn = WeightSync(sync_config(receiver.url, exclude=["lm_head.weight"], on_error="warn"))
+        warn.setup(model)
+        assert warn.sync(2, verify=True) is None
+        assert "verification failed" in caplog.text
+        warn.close()
+    finally:
+        ws.close()
+    # The server keeps serving (what it holds: the round's layers, its own lm_head).
+    assert served_logprob_diff(model, receiver.url)[receiver.url] > 1e-3
+
+
+def test_bf16_wire_gets_its_own_default_tolerance(receiver_proc):
+    receiver = receiver_proc(FACTORY)
+    model = TINY_LMS["qwen3_moe"](seed=0)
+    ws = WeightSync(sync_config(receiver.url, dtype="bfloat16", verify_every_n_syncs=1))
+    ws.setup(model)
+    try:
+        result = ws.sync(1)
+    finally:
+        ws.close()
+    assert result is not None and 1e-4 < result.verify_max_logprob_diff < 0.1
+
+
+def test_setup_refuses_what_cannot_be_verified(receiver_proc):
+    receiver = receiver_proc("wt_callbacks.demos.models:tiny_mlp")
+    ws = WeightSync(sync_config(receiver.url, verify_every_n_syncs=1))
+    with pytest.raises(ValueError, match=r"TinyMLP is not a causal LM with an output head .* set module: to the submodule that is the served transformers model, or turn verification off"):
+        ws.setup(tiny_mlp(seed=0))
+    with pytest.raises(ValueError, match=r"verify_every_n_syncs: verification asks the servers for completions over HTTP; it needs servers"):
+        SyncConfig(ray_actors=["llm"], verify_every_n_syncs=1)
+    with pytest.raises(ValueError, match=r"verify_tolerance=0 must be a positive number"):
+        sync_config(receiver.url, verify_tolerance=0)
+
+
+def test_probes_are_fixed_and_inside_the_vocabulary():
+    a, b = ProbeSet.for_vocab(300), ProbeSet.for_vocab(300)
+    assert a == b and len(a.prompts) == 4
+    assert all(4 <= t < 300 for p in a.prompts for t in p)
