@@ -15,7 +15,9 @@ worker that actually creates the engine imports it.
 
 Nothing here is imported by the trainer: the trainer side is
 ``wt_callbacks.transfer`` and needs no vLLM. The CPU performance adjustments
-the plugin makes in vLLM's processes are in ``vllm_cpu_tuning``.
+the plugin makes in vLLM's processes are in ``vllm_cpu_tuning``; what makes
+rounds through vLLM's layerwise reload exact and complete is in
+``vllm_reload``.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
     )
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
+    from wt_callbacks.integrations.vllm_reload import ReloadGuard
     from wt_callbacks.transfer.backends.torch_dist import TorchDistWeightTransferEngine
 
     class VLLMTorchDistWeightTransferEngine(TorchDistWeightTransferEngine):
@@ -83,8 +86,12 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
         Adds what vLLM's own ``nccl`` engine does around the transfer:
         layerwise reload, so checkpoint-format tensors go through the model's
         ``load_weights`` (fused qkv/gate_up, TP sharding) and its
-        post-load processing (CPU kernels repack Linear weights). Receiving
-        and loading are the base engine's.
+        post-load processing (CPU kernels repack Linear weights), and what
+        that reload needs to be exact and complete (``ReloadGuard``: tied
+        parameters, CPU MoE kernels, a round refused before streaming when
+        it would leave a checkpoint tensor out, and a finish that fails,
+        naming the served parameter, when a layer was not updated).
+        Receiving and loading are the base engine's.
 
         A failed round puts the old tensors back into every layer it had not
         completed, so the server keeps generating instead of running on the
@@ -96,14 +103,36 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
         def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
             super().__init__(config, vllm_config, device, model)
             vllm_cpu_tuning.keep_freed_host_memory(device)
+            self._guard = ReloadGuard(model, device, str(self.model_config.model))
 
         def start_weight_update(self) -> None:
             initialize_layerwise_reload(self.model)
+            self._guard.start()
 
         def finish_weight_update(self) -> None:
+            if not self._guard.round_open:
+                # The clean-up finish a trainer sends after a failed round:
+                # vLLM keeps a session whose finish raised marked active.
+                return
+            incomplete, processed = self._guard.keep_incomplete()
             finalize_layerwise_reload(self.model, self.model_config)
+            self._guard.end(processed)
+            if incomplete:
+                more = f" (and {len(incomplete) - 1} more layers)" if len(incomplete) > 1 else ""
+                raise RuntimeError(
+                    f"{incomplete[0].message()}{more}. Those layers keep the previous weights; layers this "
+                    "round completed hold the new ones. Push every tensor of the checkpoint again"
+                )
 
         def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+            reason = self._guard.refusal(update_info.names, update_info.dtypes, update_info.shapes)
+            if reason is not None:
+                self._abandon_reload()
+                raise ValueError(
+                    f"{reason}. Nothing was received; the server keeps the previous weights. The trainer "
+                    f"must send every tensor of the checkpoint this server loaded ({self.model_config.model}) "
+                    "under its checkpoint name and shape"
+                )
             model = self.model
             tracker = _LoadTracker(model)
             # The base engine loads through ``self.model.load_weights``; the
@@ -133,12 +162,14 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
 
         def _abandon_reload(self) -> None:
             """Undo layerwise reload for the layers this round did not complete."""
+            processed = self._guard.processed_layers()
             for layer in self.model.modules():
                 info = get_layerwise_info(layer)
                 if info.can_load():
                     info.loaded_weights.clear()
                     info.load_numel = 0
             finalize_layerwise_reload(self.model, self.model_config)
+            self._guard.abandon(processed)
 
     VLLMTorchDistWeightTransferEngine.__module__ = __name__
     VLLMTorchDistWeightTransferEngine.__qualname__ = ENGINE_CLASS_NAME

@@ -6,6 +6,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.support.transfer import TIMEOUT_S, ring_files  # noqa: E402
+from tests.support.vllm import vllm_python_or_skip  # noqa: E402
 from wt_callbacks.demos.receiver_process import ReceiverProcess, start_receiver  # noqa: E402
 
 
@@ -34,3 +35,9 @@ def no_ring_left_behind():
     while ring_files() - before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not ring_files() - before
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    """The vLLM venv's python (``WT_VLLM_PYTHON``); the vLLM tests skip without it, or fail under CI."""
+    return vllm_python_or_skip()

@@ -26,7 +26,7 @@ def saved_checkpoint(model: nn.Module, tmp_path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "llama_tied", "gpt2"])
+@pytest.mark.parametrize("family", sorted(TINY_LMS))
 def test_source_sends_what_save_pretrained_writes(family, tmp_path):
     model = TINY_LMS[family](seed=0)
     source = ModuleSource(model)
@@ -102,15 +102,16 @@ def test_a_conversion_transformers_cannot_reverse_fails_at_setup_naming_the_para
         ModuleSource(model)
 
 
-def test_receiver_takes_checkpoint_format_into_packed_experts(receiver_proc):
-    """A push of an MoE into a receiver process serving another copy: bitwise
-    equal in the receiver's own (packed) layout."""
+@pytest.mark.parametrize("family", sorted(TINY_LMS))
+def test_receiver_takes_the_checkpoint_format_back(family, receiver_proc):
+    """A push into a receiver process serving another copy of the family: bitwise
+    equal in the receiver's own layout (packed experts for the MoE)."""
     from tests.support.transfer import connect
-    from wt_callbacks.demos.receiver_process import receiver_checksums
     from wt_callbacks.checksums import module_checksums
+    from wt_callbacks.demos.receiver_process import receiver_checksums
 
-    trainer = TINY_LMS["qwen3_moe"](seed=0)
-    receiver = receiver_proc("wt_callbacks.demos.tiny_lms:qwen3_moe")
+    trainer = TINY_LMS[family](seed=0)
+    receiver = receiver_proc(f"wt_callbacks.demos.tiny_lms:{family}")
     assert receiver_checksums(receiver.url) != module_checksums(trainer)
     client, engine = connect(receiver.url, ModuleSource(trainer))
     try:

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from wt_callbacks.checksums import module_checksums
-from wt_callbacks.demos import models, toy_task
+from wt_callbacks.demos import models, tiny_lms, toy_task
 from wt_callbacks.demos.multiprocess import leave_group_together
 from wt_callbacks.integrations.lightning import WeightSyncCallback
 from wt_callbacks.transfer import materialize_full_tensor
@@ -71,14 +71,17 @@ class TinyModule(pl.LightningModule):
 
 
 class ToyLMModule(pl.LightningModule):
-    """The quickstart's causal LM (``self.model`` is a transformers Llama), for
-    syncing into a real vLLM server serving the same architecture."""
+    """The quickstart's causal LM (``self.model`` is a transformers Llama), or
+    one of ``wt_callbacks.demos.tiny_lms`` (``family``), learning the toy task,
+    for syncing into a real vLLM server serving the same architecture."""
 
-    def __init__(self, weight_sync: dict, shard: bool = False, step_sleep_s: float = 0.0) -> None:
+    def __init__(
+        self, weight_sync: dict, shard: bool = False, step_sleep_s: float = 0.0, family: str | None = None
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.tokenizer = toy_task.build_tokenizer()
-        self.model = toy_task.build_model(self.tokenizer, seed=0)
+        self.model = tiny_lms.TINY_LMS[family](seed=0) if family else toy_task.build_model(self.tokenizer, seed=0)
         self._rng = random.Random(0)
 
     def configure_model(self) -> None:
@@ -87,7 +90,8 @@ class ToyLMModule(pl.LightningModule):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
-        for layer in self.model.model.layers:
+        blocks = next(m for m in self.model.base_model.children() if isinstance(m, torch.nn.ModuleList))
+        for layer in blocks:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
 
@@ -132,6 +136,7 @@ def run(
     extra_sync_callbacks: list[WeightSyncCallback] | None = None,
     logger: Any = False,
     task: str = "regression",
+    family: str | None = None,
     state_out: str | None = None,
 ) -> dict:
     """Fit ``TinyModule`` with a ``WeightSyncCallback``; returns what rank 0 saw."""
@@ -160,7 +165,7 @@ def run(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    module = TASKS[task](weight_sync, shard=shard, step_sleep_s=step_sleep_s)
+    module = TASKS[task](weight_sync, shard=shard, step_sleep_s=step_sleep_s, **({"family": family} if family else {}))
     trainer.fit(module, DataLoader(RandomRegression(batches), batch_size=8), ckpt_path=resume_from)
     if state_out:
         # Full tensors (a gather per sharded parameter: every rank), saved by rank 0.
@@ -187,6 +192,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--task", choices=sorted(TASKS), default="regression")
+    parser.add_argument("--family", choices=sorted(tiny_lms.TINY_LMS), help="with --task toy-lm: the model family")
     parser.add_argument("--state-out", help="save the trained model's full state dict here (rank 0)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -197,6 +203,7 @@ def main() -> None:
         max_steps=args.max_steps,
         accumulate=args.accumulate,
         task=args.task,
+        family=args.family,
         state_out=args.state_out,
     )
     if result["rank"] == 0:

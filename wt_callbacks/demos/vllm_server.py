@@ -26,6 +26,7 @@ import torch
 
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.multiprocess import free_port
+from wt_callbacks.verify import ProbeSet, served_completion, served_logprob_diff
 
 VLLM_PYTHON_ENV = "WT_VLLM_PYTHON"
 """Path to the python of the vLLM venv (``scripts/vllm_env.sh`` prints it)."""
@@ -139,7 +140,7 @@ def start_vllm_server(
     process is stopped in that case.
     """
     config = json.loads((model_dir / "config.json").read_text())
-    max_model_len = min(MAX_MODEL_LEN, int(config.get("max_position_embeddings", MAX_MODEL_LEN)))
+    max_model_len = min(MAX_MODEL_LEN, int(config.get("max_position_embeddings", config.get("n_positions", MAX_MODEL_LEN))))
     port = port or free_port()
     cmd = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
@@ -195,38 +196,11 @@ MAX_TOKENS = 4
 
 def completion(server: VLLMServer, prompt: list[int]) -> tuple[list[int], list[float]]:
     """vLLM's greedy continuation of ``prompt``: token ids and their logprobs."""
-    answer = requests.post(
-        f"{server.url}/v1/completions",
-        json={
-            "model": server.served_model,
-            "prompt": prompt,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "logprobs": 1,
-            "ignore_eos": True,
-            "return_tokens_as_token_ids": True,
-        },
-        timeout=120,
-    )
-    assert answer.status_code == 200, answer.text
-    logprobs = answer.json()["choices"][0]["logprobs"]
-    tokens = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
-    return tokens, [float(x) for x in logprobs["token_logprobs"]]
-
-
-@torch.no_grad()
-def reference_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
-    """The trainer model's logprobs of ``tokens`` after ``prompt`` (teacher forcing)."""
-    logits = model(torch.tensor([prompt + tokens])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+    return served_completion(server.url, server.served_model, prompt, MAX_TOKENS, timeout_s=120)
 
 
 def max_logprob_diff(server: VLLMServer, model: torch.nn.Module, prompts: list[list[int]]) -> float:
-    worst = 0.0
-    for prompt in prompts:
-        tokens, served = completion(server, prompt)
-        assert len(tokens) == MAX_TOKENS
-        expected = reference_logprobs(model, prompt, tokens)
-        worst = max(worst, max(abs(a - b) for a, b in zip(served, expected)))
-    return worst
+    """The largest |logprob difference| between ``server`` and ``model`` on ``prompts``
+    (``wt_callbacks.verify``, the check users run)."""
+    probes = ProbeSet(tuple(tuple(p) for p in prompts), MAX_TOKENS)
+    return served_logprob_diff(model, server.url, probes=probes, timeout_s=120)[server.url]

@@ -241,7 +241,13 @@ class TorchDistTrainerWeightTransferEngine(
         except BaseException:
             self._abandon_round(server_call)
             raise
-        finish_with_version(self.client, weight_version)
+        try:
+            finish_with_version(self.client, weight_version)
+        except BaseException:
+            # vLLM keeps a session whose finish raised (a round found
+            # incomplete) marked active and refuses every later start.
+            self._finish_quietly()
+            raise
         return sent
 
     def _broadcast(self, tensors: Iterator[torch.Tensor], metas: list[ParamMeta], server_call: Future) -> int:
@@ -301,6 +307,10 @@ class TorchDistTrainerWeightTransferEngine(
             server_call.exception(timeout=min(self.config.timeout_s, 10.0))
         except FutureTimeout:
             pass
+        self._finish_quietly()
+
+    def _finish_quietly(self) -> None:
+        """A plain finish that closes any session a failed round left open."""
         try:
             self.client.finish_weight_update()
         except Exception as e:  # noqa: BLE001 - expected when the update already ended the session

