@@ -12,6 +12,7 @@ mkdir -p "$OUT"
 "$PY" benchmarks/transfer_throughput.py --out "$OUT/transfer.json"
 "$PY" benchmarks/fsdp2_gather.py --out "$OUT/fsdp2_gather.json"
 "$PY" benchmarks/callback_overhead.py --repeats 7 --out "$OUT/callback_overhead.json"
+"$PY" benchmarks/checkpoint_format_cost.py --out "$OUT/checkpoint_format.json"
 if [ "${WT_SKIP_VLLM:-0}" != "1" ]; then
   bash scripts/vllm_env.sh
   WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \

@@ -29,3 +29,10 @@ def test_callback_overhead_smoke(tmp_path):
     out = tmp_path / "overhead.json"
     run("benchmarks/callback_overhead.py", "--steps", "30", "--repeats", "1", "--out", str(out))
     assert {"median_step_s_without", "median_step_s_with", "median_hook_s"} <= set(json.loads(out.read_text()))
+
+
+def test_checkpoint_format_cost_smoke(tmp_path):
+    out = tmp_path / "checkpoint_format.json"
+    run("benchmarks/checkpoint_format_cost.py", "--layers", "1", "--experts", "4", "--hidden", "128", "--rounds", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["receiver_checksums_equal"] and result["sent_tensors"] > result["in_memory_tensors"]
