@@ -100,7 +100,7 @@ class GatherThenCastSource(ModuleSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.module.named_parameters():
             full = materialize_full_tensor(param.detach())
-            wire = self._wire_dtype(param)
+            wire = self._wire(param.dtype)
             yield name, full if full.dtype == wire else full.to(wire)
 
 
