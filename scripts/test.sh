@@ -12,7 +12,7 @@ if [ "${WT_SKIP_VLLM:-0}" != "1" ]; then
   # This script installed vLLM: its tests must run, not skip.
   export WT_REQUIRE_VLLM=1
 fi
-"$VENV/bin/python" -m pytest -q -rs "$@"
+"$VENV/bin/python" -m pytest -q -rs --durations=30 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: treating as a failure" >&2
