@@ -22,9 +22,7 @@ All the work is done by ``wt_callbacks.sync.WeightSync``.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,22 +33,6 @@ from wt_callbacks.config import SyncConfig
 from wt_callbacks.sync import Collectives, SyncResult, WeightSync
 
 logger = get_logger(__name__)
-
-
-def _load_hparams(hparams: Any) -> Any:
-    """A YAML path becomes its mapping; other containers pass through."""
-    if isinstance(hparams, (str, Path)):
-        import yaml
-
-        path = Path(hparams)
-        if not path.is_file():
-            raise ValueError(f"hparams: no such YAML file: {path}")
-        return yaml.safe_load(path.read_text()) or {}
-    if hparams is None or isinstance(hparams, (Mapping, argparse.Namespace)):
-        return hparams
-    raise ValueError(
-        f"hparams must be a dict, an argparse.Namespace or a YAML file path, got {type(hparams).__name__}"
-    )
 
 
 def _refuse_flat_shards(accelerator: Accelerator) -> None:
@@ -97,7 +79,7 @@ class WeightSyncHook:
     step when ``optimizer`` is given, so after a ``load_state`` it sends the
     restored weights; without ``optimizer`` it runs at construction and again
     at ``load_state``. ``close()`` runs the final sync (``sync_on_train_end``).
-    Metrics go to ``accelerator.log``.
+    Metrics go to ``accelerator.log``, one row per round.
     """
 
     def __init__(
@@ -112,9 +94,10 @@ class WeightSyncHook:
         **overrides: Any,
     ) -> None:
         _refuse_flat_shards(accelerator)
-        self.config = SyncConfig.from_hparams(_load_hparams(hparams), key=hparams_key, **overrides)
+        self.config = SyncConfig.from_hparams(hparams, key=hparams_key, **overrides)
         self.accelerator = accelerator
         self.global_step = 0
+        self._failures_reported = 0
         self._handles: list[Any] = []
         inner = self._inner_optimizer(optimizer) if optimizer is not None else None
         self.weight_sync = WeightSync(self.config, client=client, log=logger.info)
@@ -158,8 +141,8 @@ class WeightSyncHook:
 
     def _count_step(self) -> None:
         self.global_step += 1
-        if self.weight_sync.maybe_sync(self.global_step):
-            self._report(self.weight_sync.last_result)
+        ran = self.weight_sync.maybe_sync(self.global_step)
+        self._report(self.weight_sync.last_result if ran else None)
 
     def step(self) -> None:
         """Count an optimizer step (only when no ``optimizer`` was given).
@@ -174,8 +157,8 @@ class WeightSyncHook:
 
     def epoch_end(self) -> None:
         """Call at the end of each epoch (every process) for ``every_n_epochs``."""
-        if self.weight_sync.maybe_sync(self.global_step, epoch_end=True):
-            self._report(self.weight_sync.last_result)
+        ran = self.weight_sync.maybe_sync(self.global_step, epoch_end=True)
+        self._report(self.weight_sync.last_result if ran else None)
 
     def sync_now(self, version: str | None = None, *, verify: bool = False) -> SyncResult | None:
         """Sync right now; call on every process. ``verify`` checks what the
@@ -228,6 +211,7 @@ class WeightSyncHook:
         state = dict(state)
         self.global_step = int(state.pop("global_step"))
         self.weight_sync.load_state_dict(state)
+        self._failures_reported = self.weight_sync.failures
         if self._handles:
             self._cold_sync_pending = True
         else:
@@ -236,7 +220,16 @@ class WeightSyncHook:
     # -- metrics -------------------------------------------------------------
 
     def _report(self, result: SyncResult | None) -> None:
-        """``result.metrics()`` to ``accelerator.log`` (``WeightSync`` itself logs
-        the round's line, through this module's main-process logger)."""
-        if result is not None:
-            self.accelerator.log(result.metrics(), step=self.global_step)
+        """One ``accelerator.log`` row per round, at its step: ``result.metrics()``
+        with the gauges, or the gauges alone after a failed round (``result``
+        is ``None`` then; without a new failure nothing ran and nothing is
+        logged). Accelerate has no logging cadence to put the gauges on; for
+        your own, log ``hook.weight_sync.gauges(hook.global_step)``.
+        (``WeightSync`` itself logs the round's line, through this module's
+        main-process logger.)"""
+        ws = self.weight_sync
+        if result is None and ws.failures == self._failures_reported:
+            return
+        self._failures_reported = ws.failures
+        metrics = {**(result.metrics() if result is not None else {}), **ws.gauges(self.global_step)}
+        self.accelerator.log(metrics, step=self.global_step)

@@ -175,23 +175,31 @@ class WeightSyncCallback(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._active(trainer):
-            self._report(trainer, pl_module, self.weight_sync.sync_at_fit_start(trainer.global_step))
+            self._report(trainer, self.weight_sync.sync_at_fit_start(trainer.global_step))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # Called after every micro-batch; global_step moves once per optimizer
         # step and WeightSync ignores repeats, so accumulation is handled.
-        if self._active(trainer) and self.weight_sync.maybe_sync(trainer.global_step):
-            self._report(trainer, pl_module, self.weight_sync.last_result, log_on="step")
+        if not self._active(trainer):
+            return
+        if self.weight_sync.maybe_sync(trainer.global_step):
+            self._report(trainer, self.weight_sync.last_result)
+        # Gauges go through Lightning's own logging, which sends the latest
+        # value every log_every_n_steps (a sync row must not: see _report).
+        pl_module.log_dict(
+            self.weight_sync.gauges(trainer.global_step),
+            on_step=True, on_epoch=False, rank_zero_only=True, sync_dist=False,
+        )  # fmt: skip
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._active(trainer) and self.weight_sync.maybe_sync(trainer.global_step, epoch_end=True):
-            self._report(trainer, pl_module, self.weight_sync.last_result, log_on="epoch")
+            self._report(trainer, self.weight_sync.last_result)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._active(trainer):
-            self._report(trainer, pl_module, self.weight_sync.sync_at_train_end(trainer.global_step))
+            self._report(trainer, self.weight_sync.sync_at_train_end(trainer.global_step))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close()
@@ -219,28 +227,18 @@ class WeightSyncCallback(Callback):
         if self.weight_sync is None:
             raise RuntimeError("sync_now() works between on_fit_start and teardown of a fit")
         result = self.weight_sync.sync(trainer.global_step, version, verify=verify)
-        self._report(trainer, trainer.lightning_module, result)
+        self._report(trainer, result)
         return result
 
-    def _report(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        result: SyncResult | None,
-        *,
-        log_on: str | None = None,
-    ) -> None:
-        """``result.metrics()`` through ``pl_module.log`` where the hook allows it
-        (``log_on``: ``"step"`` or ``"epoch"``), else straight to the loggers.
-        (``WeightSync`` itself logs the round's line, through ``rank_zero_info``.)"""
-        if result is None:
+    def _report(self, trainer: pl.Trainer, result: SyncResult | None) -> None:
+        """``result.metrics()`` straight to every logger, once, at ``trainer.global_step``.
+
+        A round is an event: through ``pl_module.log`` Lightning would keep
+        the value and send it again at every ``log_every_n_steps`` until the
+        epoch ends, so the logs would show a sync on every step. (``WeightSync``
+        itself logs the round's line, through ``rank_zero_info``.)
+        """
+        if result is None or not trainer.is_global_zero:
             return
-        metrics = result.metrics()
-        if log_on is not None:
-            pl_module.log_dict(
-                metrics, on_step=log_on == "step", on_epoch=log_on == "epoch", rank_zero_only=True, sync_dist=False
-            )
-        elif trainer.is_global_zero:
-            # Lightning refuses self.log in on_train_start/on_train_end.
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+        for logger in trainer.loggers:
+            logger.log_metrics(result.metrics(), step=trainer.global_step)

@@ -59,6 +59,9 @@ def test_single_process_counts_real_optimizer_steps(receiver_proc, tmp_path, mod
     assert info["version_history"] == ["step-0", "step-3", "step-6", "step-9"]
     assert info["checksums"] == result["checksums"]
     assert result["num_processes"] == 1 and result["state"]["global_step"] == 9
+    # One row per sync, at its step, with the gauges.
+    rows = [(step, row["weight_sync/step"], row["weight_sync/steps_behind"], row["weight_sync/failures"]) for step, row in result["logged"]]
+    assert rows == [(0, 0.0, 0.0, 0.0), (3, 3.0, 0.0, 0.0), (6, 6.0, 0.0, 0.0), (9, 9.0, 0.0, 0.0)]
 
 
 def test_two_multi_cpu_processes(receiver_proc, tmp_path):

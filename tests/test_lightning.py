@@ -105,14 +105,19 @@ def test_warn_survives_a_dead_server_and_resyncs_when_it_is_back(receiver_proc, 
             procs["current"] = receiver_proc(port=port)
 
     caplog.set_level(logging.WARNING, logger="wt_callbacks")
+    logger = _CaptureLogger()
     result = run(
         section(procs["current"].url, every_n_train_steps=2, on_error="warn", timeout_s=10),
         max_steps=12,
         extra_callbacks=[StepHook(chaos)],
+        logger=logger,
+        log_every_n_steps=1,
     )
     assert result["global_step"] == 12
     failures = [r for r in caplog.records if "training continues" in r.getMessage()]
     assert failures, "the failed rounds must be logged"
+    counted = [m["weight_sync/failures"] for _, m in logger.metrics if "weight_sync/failures" in m]
+    assert counted[0] == 0 and counted[-1] == len(failures) == result["state"]["failures"]
     info = served(procs["current"].url)
     # The restarted server got the rounds after it came back, and the final weights.
     assert info["version_history"][-1] == "step-12"
@@ -245,6 +250,27 @@ def test_metrics_sync_now_and_two_callbacks(receiver_proc):
         assert f"weight_sync/{key}" in logged
     bytes_logged = [m["weight_sync/bytes"] for _, m in logger.metrics if "weight_sync/bytes" in m]
     assert all(b == sum(p.numel() * 4 for p in models.tiny_mlp().parameters()) for b in bytes_logged)
+
+
+def test_each_sync_is_one_csv_row_and_the_gauges_follow_log_every_n_steps(receiver_proc, tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    receiver = receiver_proc()
+    logger = CSVLogger(tmp_path, name="run")
+    run(section(receiver.url, every_n_train_steps=5), max_steps=12, accumulate=2, logger=logger, log_every_n_steps=1)
+    assert served(receiver.url)["version_history"] == ["step-0", "step-5", "step-10", "step-12"]
+    rows = list(csv.DictReader(open(f"{logger.log_dir}/metrics.csv")))
+    syncs = [r for r in rows if r["weight_sync/syncs_completed"]]
+    # One row per sync, at its step; not repeated at the following steps.
+    assert [(int(r["step"]), float(r["weight_sync/step"]), float(r["weight_sync/syncs_completed"])) for r in syncs] == [
+        (0, 0.0, 1.0), (5, 5.0, 2.0), (10, 10.0, 3.0), (12, 12.0, 4.0),
+    ]  # fmt: skip
+    gauges = [(int(r["step"]), float(r["weight_sync/steps_behind"])) for r in rows if r["weight_sync/steps_behind"]]
+    # Every logging step (Lightning's row step is the step before the optimizer step it logs).
+    assert gauges == [(s, float((s + 1) % 5 if s < 10 else s + 1 - 10)) for s in range(12)]
+    assert {r["weight_sync/failures"] for r in rows if r["weight_sync/steps_behind"]} == {"0.0"}
 
 
 def test_callback_arguments_are_the_sync_config_fields():

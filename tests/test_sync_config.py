@@ -155,8 +155,23 @@ def test_validation_messages_name_the_key(bad, match):
 
 
 def test_unsupported_container():
-    with pytest.raises(ValueError, match=r"hparams must be a dict, an argparse.Namespace or an OmegaConf DictConfig, got list"):
+    with pytest.raises(ValueError, match=r"hparams must be a dict, an argparse.Namespace, an OmegaConf DictConfig, a YAML file path or a JSON object string, got list"):
         SyncConfig.from_hparams([SECTION])
+
+
+def test_yaml_path_and_json_string(tmp_path):
+    import json
+
+    import yaml
+
+    (tmp_path / "ws.yaml").write_text(yaml.safe_dump({"weight_sync": SECTION}))
+    _expected(SyncConfig.from_hparams(str(tmp_path / "ws.yaml")))
+    _expected(SyncConfig.from_hparams(tmp_path / "ws.yaml"))
+    _expected(SyncConfig.from_hparams(json.dumps(SECTION)))  # e.g. --weight_sync '{...}' on a command line
+    with pytest.raises(ValueError, match=r"^hparams: no such YAML file: .*missing.yaml"):
+        SyncConfig.from_hparams(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match=r"^hparams: not a valid JSON object"):
+        SyncConfig.from_hparams("{servers: [x]}")
 
 
 def test_direct_construction_validates_too():

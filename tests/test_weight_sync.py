@@ -274,6 +274,8 @@ def test_warn_keeps_training_and_reconnects_on_the_same_port(caplog):
         caplog.clear()
         assert ws.sync(2) is None
         assert ws.engine is None
+        # The failed connect in setup was no round; the failed round counts.
+        assert ws.gauges(2) == {"weight_sync/failures": 1.0, "weight_sync/steps_behind": 1.0}
         warning = [r for r in caplog.records if r.levelno == logging.WARNING and "round for step" in r.message]
         assert len(warning) == 1
         assert "weight sync round for step 2 (version 'step-2') failed on trainer rank 0: WeightSyncHTTPError" in warning[0].message

@@ -29,8 +29,10 @@ import argparse
 import dataclasses
 import datetime
 import difflib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -222,7 +224,9 @@ class SyncConfig:
         """Parse and validate from a framework's hyperparameters.
 
         ``obj`` is a dict (Lightning's ``AttributeDict`` is one), an
-        ``argparse.Namespace``, an OmegaConf ``DictConfig`` or ``None``. It is
+        ``argparse.Namespace``, an OmegaConf ``DictConfig``, a YAML file path,
+        a JSON object string (what a command-line flag gives a ``str``
+        field) or ``None``. It is
         either a container holding the section under ``key``, or the section
         itself: without ``key``, ``obj`` counts as the section when at least
         one of its keys is a ``SyncConfig`` field (so typos get a
@@ -255,6 +259,8 @@ def _as_mapping(obj: Any, *, what: str) -> dict[str, Any]:
     """A plain dict from any supported hparams container."""
     if obj is None:
         return {}
+    if isinstance(obj, (str, Path)):
+        return _as_mapping(_read_text_section(obj, what=what), what=what)
     try:
         from omegaconf import DictConfig, OmegaConf
     except ImportError:
@@ -268,5 +274,23 @@ def _as_mapping(obj: Any, *, what: str) -> dict[str, Any]:
     if isinstance(obj, argparse.Namespace):
         return vars(obj)
     raise ValueError(
-        f"{what} must be a dict, an argparse.Namespace or an OmegaConf DictConfig, got {type(obj).__name__}"
+        f"{what} must be a dict, an argparse.Namespace, an OmegaConf DictConfig, a YAML file path "
+        f"or a JSON object string, got {type(obj).__name__}"
     )
+
+
+def _read_text_section(text_or_path: str | Path, *, what: str) -> Any:
+    """A JSON object string, or the contents of a YAML file."""
+    if isinstance(text_or_path, str) and text_or_path.lstrip().startswith("{"):
+        try:
+            return json.loads(text_or_path)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what}: not a valid JSON object: {e}") from e
+    path = Path(text_or_path)
+    if not path.is_file():
+        raise ValueError(f"{what}: no such YAML file: {path}")
+    try:
+        import yaml
+    except ImportError as e:
+        raise ValueError(f"{what}: reading {path} needs PyYAML (pip install pyyaml)") from e
+    return yaml.safe_load(path.read_text()) or {}

@@ -13,6 +13,11 @@ thin translations of their framework's events into these calls::
     ws.sync_at_train_end(step)
     ws.close()
 
+Metrics: ``SyncResult.metrics()`` once per successful round (an event, logged
+at the step it happened) and ``WeightSync.gauges(step)`` (failed rounds so
+far, how far the servers lag), which the adapters log on their framework's
+own logging cadence.
+
 Trainer ranks agree through ``Collectives``, two callables the framework
 adapter builds from its own distributed plumbing, so this module imports no
 training framework. Only trainer rank 0 talks to the servers; every rank
@@ -212,6 +217,7 @@ class WeightSync:
         self.collectives: Collectives | None = None
         self.last_result: SyncResult | None = None
         self.syncs_completed = 0
+        self.failures = 0
         self.last_synced_step: int | None = None
         self.last_sync_time: float | None = None
         self.epochs_completed = 0
@@ -369,6 +375,7 @@ class WeightSync:
             # servers are never left paused, whatever happened.
             self._resume(quiet=True)
         if not ok:
+            self.failures += 1
             return None
         self.syncs_completed += 1
         self.last_synced_step = step
@@ -495,12 +502,28 @@ class WeightSync:
             logger.warning("weight sync engine shutdown failed", exc_info=True)
         self.engine = None
 
+    # -- gauges --------------------------------------------------------------
+
+    def gauges(self, step: int, prefix: str = "weight_sync/") -> dict[str, float]:
+        """Values that change between rounds, for the framework's logging cadence.
+
+        ``failures``: rounds that failed so far (a round that had to connect
+        first counts once; the connect in ``setup`` is no round).
+        ``steps_behind``: optimizer steps between ``step`` and the step the
+        servers serve; absent until a round succeeded.
+        """
+        gauges = {f"{prefix}failures": float(self.failures)}
+        if self.last_synced_step is not None:
+            gauges[f"{prefix}steps_behind"] = float(step - self.last_synced_step)
+        return gauges
+
     # -- resume state --------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps: rounds done, last synced step and wall-clock time, epochs seen."""
+        """What a checkpoint keeps: rounds done and failed, last synced step and wall-clock time, epochs seen."""
         return {
             "syncs_completed": self.syncs_completed,
+            "failures": self.failures,
             "last_synced_step": self.last_synced_step,
             "last_sync_time": self.last_sync_time,
             "epochs_completed": self.epochs_completed,

@@ -13,11 +13,30 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.tracking import GeneralTracker
 
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.demos import models
 from wt_callbacks.integrations.accelerate import WeightSyncHook
 from wt_callbacks.naming import checkpoint_name
+
+
+class RecordingTracker(GeneralTracker):
+    """Keeps every ``accelerator.log`` row (what a tracker would receive)."""
+
+    name = "recording"
+    requires_logging_directory = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict]] = []
+
+    @property
+    def tracker(self) -> list:
+        return self.rows
+
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        self.rows.append((step, dict(values)))
 
 
 def main() -> None:
@@ -33,7 +52,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum)
+    tracker = RecordingTracker()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum, log_with=[tracker])
+    accelerator.init_trackers("accelerate_app")
     model = models.tiny_mlp(seed=0)
     if args.compile:
         model = torch.compile(model, backend="eager")  # names gain `_orig_mod.`
@@ -62,6 +83,7 @@ def main() -> None:
             "num_processes": accelerator.num_processes,
             "distributed_type": str(accelerator.distributed_type),
             "state": hook.state_dict(),
+            "logged": tracker.rows,
             "checksums": {checkpoint_name(n): v for n, v in sums.items()},
         }))  # fmt: skip
     accelerator.end_training()
