@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator
@@ -79,6 +80,38 @@ def test_lazy_registration_needs_a_class_name_and_imports_on_use():
     finally:  # the registries are process-wide: leave them as other tests expect
         WeightTransferTrainerFactory._registry.loaders.pop("lazy-test")
         WeightTransferEngineFactory._registry.loaders.pop("direct-test")
+
+
+def test_released_vllm_call_form_names_the_backend_in_the_init_info():
+    """``trainer_init(init_info, *, client, source)`` as released vLLM calls it: the
+    flat init info carries the rendezvous and the wire settings, and the seed's
+    form keeps working next to it."""
+    from wt_callbacks.checksums import module_checksums
+
+    trainer_model, served_model = models.tiny_mlp(seed=0), models.tiny_mlp(seed=1)
+    with Receiver(served_model) as served:
+        client = HTTPVLLMWeightSyncClient(served.start(), timeout=30)
+        info = {"backend": "torch_dist", **LOCAL, "packed": True, "packed_buffer_size_bytes": 1 << 20, "timeout_s": 30}
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(trainer_model))
+        assert engine.config.packed_buffer_size_bytes == 1 << 20
+        engine.send_weights("step-1")
+        engine.shutdown()
+        assert served.core.version_history == ["step-1"]
+        assert module_checksums(served_model) == module_checksums(trainer_model)
+    # Every engine's config and init info fields are disjoint: a flat key has one home.
+    for backend in WeightTransferTrainerFactory.available():
+        engine_cls = WeightTransferTrainerFactory.engine_class(backend)
+        config_keys = {f.name for f in dataclasses.fields(engine_cls.config_cls)}
+        assert not config_keys & {f.name for f in dataclasses.fields(engine_cls.init_info_cls)}, backend
+    source = ModuleSource(trainer_model)
+    with pytest.raises(ValueError, match=r"a dict init info must name its backend, e.g. \{'backend': 'torch_dist'"):
+        WeightTransferTrainerFactory.trainer_init(LOCAL, client=client, source=source)
+    with pytest.raises(ValueError, match=r"unknown key 'master_adress'; did you mean 'master_address'\? \(accepted keys: \['dtype', 'master_address'"):
+        WeightTransferTrainerFactory.trainer_init({"backend": "torch_dist", "master_adress": "x"}, client=client, source=source)
+    with pytest.raises(TypeError, match=r"init_info of type object names no backend"):
+        WeightTransferTrainerFactory.trainer_init(object(), client=client, source=source)
+    with pytest.raises(TypeError, match=r"trainer_init\(\) is missing \['init_info'\]"):
+        WeightTransferTrainerFactory.trainer_init("torch_dist", {}, client=client, source=source)
 
 
 # --------------------------------------------------------------------------- #
@@ -437,6 +470,61 @@ def test_receiver_routes_and_payloads(receiver):
     assert sums["weight_version"] == "v9" and set(sums["checksums"]) == {"weight", "bias"}
     draft = requests.post(f"{url}/start_draft_weight_update", timeout=5)
     assert draft.status_code == 500 and "no draft model" in draft.json()["error"]["message"]
+
+
+def test_receiver_completions_pause_like_vllm_0_33_and_sample(caplog):
+    """Paused with abort/wait, new completions get vLLM 0.33's 503 until /resume;
+    with keep they wait. ``n`` samples per prompt come in vLLM's order. A
+    finished update is logged once, with its size."""
+    import logging
+
+    from wt_callbacks.demos import toy_task
+
+    tokenizer = toy_task.build_tokenizer()
+    with Receiver(toy_task.build_model(tokenizer, seed=1), tokenizer=tokenizer) as served:
+        url = served.start()
+
+        def complete(**body: Any) -> requests.Response:
+            body = {"prompt": ["a b c d |", "e f g h |"], "max_tokens": 4, **body}
+            return requests.post(f"{url}/v1/completions", json=body, timeout=30)
+
+        for mode in ("abort", "wait"):
+            requests.post(f"{url}/pause", params={"mode": mode}, timeout=5)
+            refused = complete(temperature=0)
+            assert refused.status_code == 503, mode
+            assert refused.json()["error"] == {
+                "message": "Generation is paused. Please retry after it resumes.",
+                "type": "ServiceUnavailableError", "param": None, "code": 503,
+            }  # fmt: skip
+            requests.post(f"{url}/resume", timeout=5)
+            assert complete(temperature=0).status_code == 200
+        requests.post(f"{url}/pause", params={"mode": "keep"}, timeout=5)
+        waiting: dict[str, requests.Response] = {}
+        request = threading.Thread(target=lambda: waiting.update(answer=complete(temperature=0)))
+        request.start()
+        request.join(0.5)
+        assert request.is_alive()  # keep: the new request waits for /resume
+        requests.post(f"{url}/resume", timeout=5)
+        request.join(30)
+        assert waiting["answer"].status_code == 200
+
+        sampled = complete(temperature=1.0, n=3, logprobs=1).json()["choices"]
+        assert [c["index"] for c in sampled] == list(range(6))
+        assert all(len(c["logprobs"]["token_logprobs"]) == len(c["logprobs"]["tokens"]) <= 4 for c in sampled)
+        assert complete(n=0).json()["error"]["message"] == "n must be a positive integer"
+
+        caplog.set_level(logging.INFO, logger="wt_callbacks.receiver")
+        client = HTTPVLLMWeightSyncClient(url, timeout=30)
+        trainer_model = toy_task.build_model(tokenizer, seed=0)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            "torch_dist", {"timeout_s": 30}, LOCAL, client=client, source=ModuleSource(trainer_model)
+        )
+        engine.send_weights("step-3")
+        engine.shutdown()
+    size = sum(p.numel() * 4 for p in trainer_model.parameters()) / 1e6
+    tensors = len(list(trainer_model.parameters()))
+    lines = [r.getMessage() for r in caplog.records if r.name == "wt_callbacks.receiver.core"]
+    assert lines == [f"weight update step-3: {tensors} tensors, {size:.1f} MB in {lines[0].rsplit(' in ', 1)[1]}"]
 
 
 def test_receiver_refuses_mismatched_names_before_streaming(receiver):

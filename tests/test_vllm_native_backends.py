@@ -3,7 +3,8 @@
 vLLM's NCCL and IPC engines need CUDA, which these machines do not have, so
 the success path runs against a fake ``vllm`` package (tests/support/fake_vllm)
 that records what our adapters hand over and drives the client as vLLM's
-engines do. The failure path (no vllm in the trainer) is real.
+engines do, as vLLM 0.32 and as 0.33. The failure path (no vllm in the
+trainer) is real. So is released vLLM's call form on ``torch_dist``.
 """
 
 from __future__ import annotations
@@ -56,10 +57,15 @@ def test_without_vllm_in_the_trainer_the_error_names_the_fix():
             )  # fmt: skip
 
 
-@pytest.fixture
-def fake_vllm(monkeypatch):
+def _use_fake_vllm(monkeypatch, version: str):
+    monkeypatch.setenv("WT_FAKE_VLLM_VERSION", version)
     monkeypatch.syspath_prepend(str(REPO_ROOT / "tests/support/fake_vllm"))
-    yield importlib.import_module("vllm.distributed.weight_transfer.nccl_engine")
+    return importlib.import_module("vllm")
+
+
+@pytest.fixture(params=["0.32.0", "0.33.0"])
+def fake_vllm(request, monkeypatch):
+    yield _use_fake_vllm(monkeypatch, request.param)
     for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
         del sys.modules[name]
 
@@ -74,7 +80,8 @@ def test_nccl_adapter_translates_config_world_size_dtype_and_version(fake_vllm):
     # world_size was asked from the servers: 1 trainer + 4 workers.
     assert (inner.init_info.world_size, inner.init_info.rank, inner.init_info.packed_buffer_size_bytes) == (5, 0, 1 << 20)
     assert inner.init_info.master_address == "127.0.0.1" and inner.init_info.master_port == 29777
-    assert [m.dtype for m in inner.source.metadata()] == [torch.bfloat16] * 6
+    metadata = inner.source.metadata if fake_vllm.V033 else inner.source.metadata()
+    assert [m.dtype for m in metadata] == [torch.bfloat16] * 6
     engine.send_weights("step-7")
     assert {dtype for _, dtype in inner.sent} == {torch.bfloat16}  # cast before leaving our source
     assert [c[0] for c in client.calls] == ["init", "start", "update", "finish", "version"]
@@ -95,3 +102,28 @@ def test_ipc_adapter_and_non_sender_ranks(fake_vllm):
     assert len(engine.inner.sent) == 6  # but it iterated the source (FSDP gathers)
     with pytest.raises(ValueError, match="unknown key 'master_address'"):
         WeightTransferTrainerFactory.trainer_init("ipc", {}, LOCAL, client=client, source=ModuleSource(torch.nn.Linear(1, 1)))
+
+
+def test_a_vllm_release_the_adapters_do_not_speak_is_refused_naming_it(monkeypatch):
+    _use_fake_vllm(monkeypatch, "0.31.0")
+    try:
+        with pytest.raises(ValueError, match=r"backend 'nccl': vllm 0.31.0 in the trainer is not supported; .* vllm 0.32 and 0.33"):
+            WeightTransferTrainerFactory.trainer_init("nccl", {}, LOCAL, client=RecordingClient(), source=ModuleSource(models.tiny_mlp(seed=0)))
+    finally:
+        for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+            del sys.modules[name]
+
+
+def test_released_call_form_with_vllms_own_init_info(fake_vllm):
+    """Code written for vLLM's trainer API: ``trainer_init(init_info, *, client, source)``."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    client = RecordingClient()
+    info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=29777, world_size=3, packed=False, rank=0)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(models.tiny_mlp(seed=0)))
+    assert (engine.inner.init_info.packed, engine.inner.init_info.world_size) == (False, 3)
+    engine.send_weights("v1")
+    engine.send_weights("v2")
+    names = [call[1]["names"] for call in client.calls if call[0] == "update"]
+    # 0.33 ships the metadata once; an unchanged round sends an empty update info.
+    assert [len(n) for n in names] == ([6, 0] if fake_vllm.V033 else [6, 6])

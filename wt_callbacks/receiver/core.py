@@ -10,7 +10,9 @@ to pushing. The HTTP app and the Ray actor are thin fronts over
 ``ReceiverCore``.
 """
 
+import logging
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +23,8 @@ from wt_callbacks.checksums import module_checksums
 from wt_callbacks.transfer.base import ParamMeta, WeightTransferConfig, WeightTransferUpdatePayload, dtype_name
 from wt_callbacks.transfer.factory import WeightTransferEngineFactory
 from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout
+
+logger = logging.getLogger(__name__)
 
 COMPLETION_PAUSE_WAIT_S = 300.0
 """How long a completion request waits for a paused receiver to resume."""
@@ -44,6 +48,8 @@ class StagedWeights:
         self._group_of = {o.name: g for g in groups for o in g.outputs}
         self._expected = {o.name: o for g in groups for o in g.outputs}
         self._staged: dict[str, torch.Tensor] = {}
+        self.tensors = 0
+        self.bytes = 0
 
     def validate_update(
         self, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[tuple[int, ...]]
@@ -77,6 +83,8 @@ class StagedWeights:
             # model's is converted by ``copy_`` at commit, in the same pass as
             # the copy, rather than into a fresh model-sized allocation here.
             self._staged[name] = tensor
+            self.tensors += 1
+            self.bytes += tensor.numel() * tensor.element_size()
 
     def commit(self) -> None:
         done: set[int] = set()
@@ -132,15 +140,25 @@ class ReceiverCore:
         self._lock = threading.Lock()
         self._unpaused = threading.Event()
         self._unpaused.set()
+        self.pause_mode: str | None = None
+        self._update_started = 0.0
 
     @property
     def paused(self) -> bool:
         return not self._unpaused.is_set()
 
-    def pause(self) -> None:
+    @property
+    def refuses_new_requests(self) -> bool:
+        """vLLM 0.33: paused with ``abort`` or ``wait``, new requests are
+        answered 503 until ``resume``; ``keep`` queues them."""
+        return self.paused and self.pause_mode != "keep"
+
+    def pause(self, mode: str = "abort") -> None:
+        self.pause_mode = mode
         self._unpaused.clear()
 
     def resume(self) -> None:
+        self.pause_mode = None
         self._unpaused.set()
 
     def complete(
@@ -151,15 +169,19 @@ class ReceiverCore:
         *,
         ignore_eos: bool = False,
         tokens_as_ids: bool = False,
+        temperature: float = 0.0,
+        n: int = 1,
     ) -> list[dict[str, Any]]:
-        """Greedy completions (what the quickstart and tests ask a server for).
+        """``n`` completions per prompt: greedy at ``temperature`` 0, else
+        sampled (no top-k / top-p, as vLLM's defaults). Choices are in vLLM's
+        order (``index = prompt * n + sample``); logprobs are of the model's
+        raw distribution, as vLLM reports them by default.
 
         A prompt is text (needs the tokenizer) or token ids, as vLLM takes
         both; ``ignore_eos`` and ``tokens_as_ids`` are vLLM's
         ``ignore_eos`` and ``return_tokens_as_token_ids`` (tokens reported as
         ``"token_id:N"``, which needs no tokenizer). Refused while paused: the
-        HTTP route waits out a pause before calling this (vLLM's
-        ``keep``/``wait`` behaviour for new requests).
+        HTTP route waits out a ``keep`` pause before calling this.
         """
         if not callable(getattr(self.model, "generate", None)):
             raise ValueError("this receiver serves no completions: it needs a transformers causal LM")
@@ -170,43 +192,50 @@ class ReceiverCore:
             )
         if self.paused:
             raise TimeoutError(f"generation stayed paused for more than {COMPLETION_PAUSE_WAIT_S:g} s")
+        decoding = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+        stop_ids = set() if ignore_eos or self.tokenizer is None else {self.tokenizer.eos_token_id}
         choices = []
         with self._lock, torch.no_grad():
-            for index, prompt in enumerate(prompts):
+            for prompt_index, prompt in enumerate(prompts):
                 if isinstance(prompt, str):
                     ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
                 else:
                     ids = torch.tensor([list(prompt)])
                 ids = ids.to(self.engine.device)
+                # One prompt, n rows: equal lengths, so no padding to mask.
                 out = self.model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
+                    ids.expand(n, -1),
+                    attention_mask=torch.ones_like(ids).expand(n, -1),
                     max_new_tokens=max_tokens,
                     min_new_tokens=max_tokens if ignore_eos else None,
-                    do_sample=False,
                     output_logits=True,
                     return_dict_in_generate=True,
                     pad_token_id=pad,
+                    **decoding,
                 )
-                new_ids = out.sequences[0, ids.shape[1] :].tolist()
-                choice: dict[str, Any] = {
-                    "index": index,
-                    "text": self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer else "",
-                    "finish_reason": "length" if len(new_ids) == max_tokens else "stop",
-                }
-                if logprobs:
-                    steps = [torch.log_softmax(logit[0].float(), dim=-1) for logit in out.logits]
-                    tokens = (
-                        [f"token_id:{t}" for t in new_ids]
-                        if tokens_as_ids
-                        else self.tokenizer.convert_ids_to_tokens(new_ids)
-                    )
-                    choice["logprobs"] = {
-                        "tokens": tokens,
-                        "token_logprobs": [step[t].item() for step, t in zip(steps, new_ids)],
+                for row in range(n):
+                    new_ids = out.sequences[row, ids.shape[1] :].tolist()
+                    # A row that stopped early is padded to the longest one: cut after its stop token.
+                    end = next((i + 1 for i, t in enumerate(new_ids) if t in stop_ids), len(new_ids))
+                    new_ids = new_ids[:end]
+                    choice: dict[str, Any] = {
+                        "index": prompt_index * n + row,
+                        "text": self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer else "",
+                        "finish_reason": "length" if len(new_ids) == max_tokens else "stop",
                     }
-                choices.append(choice)
+                    if logprobs:
+                        steps = [torch.log_softmax(logit[row].float(), dim=-1) for logit in out.logits]
+                        tokens = (
+                            [f"token_id:{t}" for t in new_ids]
+                            if tokens_as_ids
+                            else self.tokenizer.convert_ids_to_tokens(new_ids)
+                        )
+                        choice["logprobs"] = {
+                            "tokens": tokens,
+                            "token_logprobs": [step[t].item() for step, t in zip(steps, new_ids)],
+                        }
+                    choices.append(choice)
         return choices
 
     def init_weight_transfer_engine(self, init_info: Mapping[str, Any]) -> None:
@@ -231,6 +260,7 @@ class ReceiverCore:
                 self.engine.reset_weight_update_target()
                 raise
             self._stage = stage
+            self._update_started = time.perf_counter()
 
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
         with self._lock:
@@ -249,13 +279,18 @@ class ReceiverCore:
             if self._stage is None:
                 raise RuntimeError("finish_weight_update called without an active weight update.")
             self.engine.finish_weight_update()
-            self._stage.commit()
+            stage = self._stage
+            stage.commit()
             self._stage = None
             self.engine.reset_weight_update_target()
             if weight_version is not None:
                 self.weight_version = weight_version
             self.updates_completed += 1
             self.version_history.append(self.weight_version)
+            logger.info(
+                "weight update %s: %d tensors, %.1f MB in %.3f s",
+                self.weight_version, stage.tensors, stage.bytes / 1e6, time.perf_counter() - self._update_started,
+            )
 
     def reload_weights(self, weights_path: str) -> None:
         """Load every ``*.safetensors`` file in ``weights_path`` (vLLM's

@@ -14,11 +14,14 @@ from wt_callbacks.transfer.clients import PAUSE_MODES
 
 logger = logging.getLogger(__name__)
 
+PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+"""vLLM 0.33's answer (503) to a new request while paused with ``abort`` or ``wait``."""
+
 
 def _error(status: int, message: str) -> Any:
     from fastapi.responses import JSONResponse
 
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
     return JSONResponse(
         status_code=status,
         content={"error": {"message": message, "type": kind, "param": None, "code": status}},
@@ -125,7 +128,7 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
     async def pause(mode: str = "abort", clear_cache: bool = True) -> Any:
         if mode not in PAUSE_MODES:
             return JSONResponse(status_code=400, content={"error": f"Invalid mode {mode!r}; use one of {PAUSE_MODES}"})
-        core.pause()
+        core.pause(mode)
         return {"status": "paused"}
 
     @app.post("/resume")
@@ -142,13 +145,18 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
         prompts = _prompts(body.get("prompt"))
         if prompts is None:
             return _error(400, "prompt must be a string, a list of strings, token ids or a list of token-id lists")
-        if body.get("temperature", 0) not in (0, 0.0, None):
-            return _error(400, "the reference receiver decodes greedily only: use temperature 0")
-        max_tokens = body.get("max_tokens", 16)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            return _error(400, "max_tokens must be a positive integer")
-        # Wait out a pause here, on the event loop: a worker thread parked per
-        # waiting request could starve the weight routes that end the pause.
+        # Unlike vLLM, a request without a temperature is decoded greedily.
+        temperature = body.get("temperature") or 0.0
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+            return _error(400, "temperature must be a number >= 0 (0: greedy)")
+        for key, default in (("max_tokens", 16), ("n", 1)):
+            value = body.get(key, default)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                return _error(400, f"{key} must be a positive integer")
+        if core.refuses_new_requests:
+            return _error(503, PAUSED_MESSAGE)
+        # Wait out a `keep` pause here, on the event loop: a worker thread parked
+        # per waiting request could starve the weight routes that end the pause.
         for _ in range(int(COMPLETION_PAUSE_WAIT_S / 0.01)):
             if not core.paused:
                 break
@@ -156,10 +164,12 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
         choices = await anyio.to_thread.run_sync(
             lambda: core.complete(
                 prompts,
-                max_tokens,
+                body.get("max_tokens", 16),
                 logprobs=body.get("logprobs") is not None,
                 ignore_eos=bool(body.get("ignore_eos", False)),
                 tokens_as_ids=bool(body.get("return_tokens_as_token_ids", False)),
+                temperature=float(temperature),
+                n=body.get("n", 1),
             )
         )
         return {"object": "text_completion", "model": model_name, "choices": choices}

@@ -11,10 +11,16 @@ trainer, use ``torch_dist`` with the wt-callbacks plugin in the server.
 What these adapters add to vLLM's engines: dict configs (YAML), the world
 size asked from the client, the wire-dtype cast before the FSDP gather (our
 ``WeightSource.with_wire_dtype``), and the round's weight version.
+
+vLLM 0.32 and 0.33 are spoken (their trainer-side ``WeightSource`` differs);
+another release is refused by name. The trainer's vLLM must be the servers'
+release: 0.33 sends an empty update info when the metadata did not change,
+which a 0.32 server refuses.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
 from collections.abc import Iterator, Mapping
@@ -24,7 +30,6 @@ from typing import Any, ClassVar
 import torch
 
 from wt_callbacks.transfer.base import (
-    ParamMeta,
     TrainerWeightTransferEngine,
     TransferStats,
     VLLMWeightSyncClient,
@@ -89,24 +94,59 @@ def _import_vllm(backend: str, module: str) -> Any:
         ) from e
 
 
-def _as_vllm_source(source: WeightSource, vllm_base: type) -> Any:
-    """Our source seen as vLLM's ``WeightSource`` (vLLM's engines subclass-check nothing,
-    but its ABC carries defaults such as ``held_names``)."""
+SUPPORTED_VLLM_RELEASES = ("0.32", "0.33")
+"""vLLM releases whose trainer-side ``WeightSource`` these adapters speak."""
 
-    class Adapted(vllm_base):  # type: ignore[misc, valid-type]
+
+def _vllm_release(backend: str) -> str:
+    """``"major.minor"`` of the vLLM the trainer imports; ``ValueError`` naming it if unsupported."""
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    release = ".".join(version.split(".")[:2])
+    if release not in SUPPORTED_VLLM_RELEASES:
+        raise ValueError(
+            f"backend {backend!r}: vllm {version} in the trainer is not supported; these adapters speak "
+            f"the trainer API of vllm {' and '.join(SUPPORTED_VLLM_RELEASES)}. Install one of them (the "
+            "release your servers run), or use backend 'torch_dist'"
+        )
+    return release
+
+
+def _as_vllm_source(source: WeightSource, base: Any, release: str) -> Any:
+    """Our source seen as the ``WeightSource`` of vLLM ``release`` (``base`` is
+    its ``vllm.distributed.weight_transfer.base`` module).
+
+    0.32: ``metadata()`` is a method and the engines iterate the source.
+    0.33: ``metadata`` must be a ``functools.cached_property`` (checked when
+    the subclass is defined) and the engines read ``iter_full()``. ``owners``
+    stay unset: every rank takes part in every gather, so each rank owns
+    every name, as both 0.33 engines require.
+    """
+
+    def metadata() -> list[Any]:
+        return [base.ParamMeta(m.name, m.dtype, m.shape) for m in source.metadata()]
+
+    if release == "0.32":
+
+        class Source032(base.WeightSource):  # type: ignore[misc, name-defined]
+            def metadata(self) -> list[Any]:
+                return metadata()
+
+            def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+                return iter(source)
+
+        return Source032()
+
+    class Source033(base.WeightSource):  # type: ignore[misc, name-defined]
+        @functools.cached_property
         def metadata(self) -> list[Any]:
-            return [_vllm_meta(m) for m in source.metadata()]
+            return metadata()
 
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
             return iter(source)
 
-    return Adapted()
-
-
-def _vllm_meta(meta: ParamMeta) -> Any:
-    from vllm.distributed.weight_transfer.base import ParamMeta as VLLMParamMeta
-
-    return VLLMParamMeta(meta.name, meta.dtype, meta.shape)
+    return Source033()
 
 
 class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConfig, Any]):
@@ -135,12 +175,13 @@ class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConf
         init_info = cls.parse_init_info(init_info)
         module = _import_vllm(cls.backend, cls.vllm_module)
         base = _import_vllm(cls.backend, "vllm.distributed.weight_transfer.base")
+        release = _vllm_release(cls.backend)
         if not isinstance(source, WeightSource):
             raise ValueError(f"source must be a WeightSource (e.g. ModuleSource(model)), got {type(source).__name__}")
         wire_source = source.with_wire_dtype(None if config.dtype is None else dtype_from_name(config.dtype))
         vllm_info = getattr(module, cls.vllm_init_info)(**cls._vllm_init_kwargs(config, init_info, client))
         inner = getattr(module, cls.vllm_engine).trainer_init(
-            vllm_info, client=client, source=_as_vllm_source(wire_source, base.WeightSource)
+            vllm_info, client=client, source=_as_vllm_source(wire_source, base, release)
         )
         return cls(config, client=client, source=wire_source, is_sender=init_info.rank == 0, inner=inner)
 
