@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import json
 import logging
 import subprocess
@@ -18,7 +16,6 @@ import lightning.pytorch as pl  # noqa: E402
 
 from tests.support import REPO_ROOT  # noqa: E402
 from tests.support.lightning_app import StepHook, run  # noqa: E402
-from wt_callbacks.config import SyncConfig  # noqa: E402
 from wt_callbacks.demos import models  # noqa: E402
 from wt_callbacks.demos.multiprocess import free_port  # noqa: E402
 from wt_callbacks.integrations.lightning import WeightSyncCallback  # noqa: E402
@@ -271,13 +268,3 @@ def test_each_sync_is_one_csv_row_and_the_gauges_follow_log_every_n_steps(receiv
     # Every logging step (Lightning's row step is the step before the optimizer step it logs).
     assert gauges == [(s, float((s + 1) % 5 if s < 10 else s + 1 - 10)) for s in range(12)]
     assert {r["weight_sync/failures"] for r in rows if r["weight_sync/steps_behind"]} == {"0.0"}
-
-
-def test_callback_arguments_are_the_sync_config_fields():
-    """LightningCLI reads WeightSyncCallback's typed signature, so it spells the
-    section's keys out: exactly SyncConfig's fields, in order, each defaulting
-    to None ("not given", so the hparams value applies)."""
-    parameters = inspect.signature(WeightSyncCallback.__init__).parameters
-    overrides = [p for name, p in parameters.items() if name not in ("self", "hparams_key", "client")]
-    assert [p.name for p in overrides] == [f.name for f in dataclasses.fields(SyncConfig)]
-    assert all(p.default is None and p.kind is inspect.Parameter.KEYWORD_ONLY for p in overrides)

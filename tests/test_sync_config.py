@@ -177,3 +177,29 @@ def test_yaml_path_and_json_string(tmp_path):
 def test_direct_construction_validates_too():
     with pytest.raises(ValueError, match=r"^every_n_epochs=0 must be a positive integer"):
         SyncConfig(servers=[URL], every_n_epochs=0)
+
+
+@pytest.mark.parametrize(
+    "adapter",
+    [
+        ("lightning", "wt_callbacks.integrations.lightning", "WeightSyncCallback"),
+        ("transformers", "wt_callbacks.integrations.transformers", "WeightSyncTrainerCallback"),
+    ],
+    ids=lambda a: a[0],
+)
+def test_adapter_keyword_arguments_are_the_sync_config_fields(adapter):
+    """The callbacks spell the section's keys out as typed keywords (LightningCLI
+    reads the signature): exactly SyncConfig's fields, in order, each
+    defaulting to None ("not given", so the section's value applies)."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    framework, module, name = adapter
+    pytest.importorskip(framework)
+    parameters = inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters
+    fields = [f.name for f in dataclasses.fields(SyncConfig)]
+    overrides = [p for p in parameters.values() if p.name in fields]
+    assert [p.name for p in overrides] == fields
+    assert all(p.default is None and p.kind is inspect.Parameter.KEYWORD_ONLY for p in overrides)
+    assert set(parameters) - set(fields) <= {"self", "trainer", "hparams", "hparams_key", "client"}

@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "WeightSyncCallback": "wt_callbacks.integrations.lightning",
     "WeightSyncHook": "wt_callbacks.integrations.accelerate",
+    "WeightSyncTrainerCallback": "wt_callbacks.integrations.transformers",
 }
 
 

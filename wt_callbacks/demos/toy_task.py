@@ -60,6 +60,12 @@ def build_model(tokenizer, *, seed: int = 0, hidden_size: int = 64, layers: int 
     return LlamaForCausalLM(config)
 
 
+def served_model():
+    """What a receiver serves before the first sync: the model from another seed
+    than the trainer's (``--module-factory wt_callbacks.demos.toy_task:served_model``)."""
+    return build_model(build_tokenizer(), seed=1)
+
+
 def save_pretrained(directory: str | Path, *, seed: int = 0) -> Path:
     """Write an untrained model + tokenizer that ``from_pretrained`` and vLLM load."""
     directory = Path(directory)

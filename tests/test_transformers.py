@@ -1,0 +1,106 @@
+"""WeightSyncTrainerCallback in real ``transformers.Trainer.train`` runs on CPU.
+
+Every run takes 2 micro-batches per optimizer step (gradient_accumulation_steps=2),
+10 optimizer steps, a sync every 3 and a checkpoint every 6: the servers get
+the cold sync, steps 3, 6, 9 and the final step 10, never a micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import requests
+
+pytest.importorskip("transformers")
+
+from tests.support import REPO_ROOT  # noqa: E402
+from tests.support.transformers_app import run  # noqa: E402
+from wt_callbacks.checksums import module_checksums  # noqa: E402
+from wt_callbacks.demos import toy_task  # noqa: E402
+from wt_callbacks.receiver import Receiver  # noqa: E402
+
+SERVED = "wt_callbacks.demos.toy_task:served_model"
+EXPECTED = ["step-0", "step-3", "step-6", "step-9", "step-10"]
+
+
+@pytest.fixture
+def receivers():
+    """In-process receivers serving the toy LM from another seed than the trainer's."""
+    started: list[Receiver] = []
+
+    def start() -> Receiver:
+        receiver = Receiver(toy_task.served_model())
+        receiver.start()
+        started.append(receiver)
+        return receiver
+
+    yield start
+    for receiver in started:
+        receiver.stop()
+
+
+def test_single_process_syncs_on_optimizer_steps_logs_once_and_resumes(receivers, tmp_path):
+    first, second = receivers(), receivers()
+    section = {"servers": [first.url], "every_n_train_steps": 3, "timeout_s": 60}
+    # The section as a field of the user's TrainingArguments subclass.
+    result = run(str(tmp_path), weight_sync=section, callbacks=[{}])
+    print("1 process:", first.core.version_history, "checksums equal:", module_checksums(first.model) == result["checksums"])
+    assert first.core.version_history == EXPECTED
+    assert module_checksums(first.model) == result["checksums"]
+    # One log row per sync, at its step; the gauge on every logging step.
+    assert result["synced"] == [(0, 0.0), (3, 3.0), (6, 6.0), (9, 9.0), (10, 10.0)]
+    assert result["steps_behind"] == [(s, float(s % 3 if s < 10 else 0)) for s in range(1, 11)]
+    saved = json.loads((tmp_path / "checkpoint-6/trainer_state.json").read_text())
+    assert saved["stateful_callbacks"]["WeightSyncTrainerCallback"]["attributes"]["_restored"]["last_synced_step"] == 6
+
+    # Resume from checkpoint-6, the section from a YAML file now; a second
+    # callback (another server, every 2 steps) that checkpoint knows nothing of.
+    (tmp_path / "ws.yaml").write_text(json.dumps({"weight_sync": section}))
+    resumed = run(
+        str(tmp_path),
+        callbacks=[{"hparams": str(tmp_path / "ws.yaml")}, {"servers": [second.url], "every_n_train_steps": 2}],
+        resume_from=str(tmp_path / "checkpoint-6"),
+    )
+    print("1 process, resumed at step 6:", first.core.version_history[len(EXPECTED) :], second.core.version_history)
+    # A cold sync of the restored weights, then the cadence continues.
+    assert first.core.version_history == EXPECTED + ["step-6", "step-9", "step-10"]
+    assert second.core.version_history == ["step-6", "step-8", "step-10"]
+    assert module_checksums(first.model) == module_checksums(second.model) == resumed["checksums"]
+    saved = json.loads((tmp_path / "checkpoint-10/trainer_state.json").read_text())["stateful_callbacks"]
+    counters = {e["attributes"]["_restored"]["key"]: e["attributes"]["_restored"] for e in saved["WeightSyncTrainerCallback"]}
+    # Counters continued from the checkpoint (3 rounds there, 3 since); each callback kept its own.
+    assert sorted((c["syncs_completed"], c["last_synced_step"]) for c in counters.values()) == [(3, 10), (6, 10)]
+
+
+def test_two_processes_torchrun_gloo(receiver_proc, tmp_path):
+    receiver = receiver_proc(SERVED)
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "tests.support.transformers_app", "--server", receiver.url,
+        "--out-dir", str(tmp_path / "run"), "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    history = requests.get(f"{receiver.url}/weight_info", timeout=30).json()["version_history"]
+    print("2 processes:", history, "checksums equal:", receiver.checksums() == result["checksums"])
+    assert result["world_size"] == 2
+    assert history == EXPECTED
+    assert receiver.checksums() == result["checksums"]
+    assert result["synced"] == [[0, 0.0], [3, 3.0], [6, 6.0], [9, 9.0], [10, 10.0]]
+
+
+def test_misconfiguration_fails_when_the_trainer_is_built(tmp_path):
+    from transformers import Trainer
+
+    from tests.support.transformers_app import ReversalRows, SyncTrainingArguments, training_arguments
+    from wt_callbacks.integrations.transformers import WeightSyncTrainerCallback
+
+    args = SyncTrainingArguments(weight_sync={"servers": ["http://127.0.0.1:9"], "every_n_train_step": 2}, **training_arguments(str(tmp_path), 2))
+    model = toy_task.build_model(toy_task.build_tokenizer(), seed=0)
+    with pytest.raises(ValueError, match="did you mean 'every_n_train_steps'"):
+        Trainer(model=model, args=args, train_dataset=ReversalRows(8), callbacks=[WeightSyncTrainerCallback()])
