@@ -65,10 +65,8 @@ def main() -> None:
     receiver = None
     url = args.server
     if url is None and accelerator.is_main_process:
-        from wt_callbacks.receiver import Receiver
-
-        receiver = Receiver(toy_task.build_model(tokenizer, seed=1), tokenizer=tokenizer, model_name="toy-reverser")
-        url = receiver.start()
+        receiver = toy_task.embedded_receiver()
+        url = receiver.url
         accelerator.print(f"embedded reference receiver serving on {url}")
     url = broadcast_object_list([url])[0]
 

@@ -117,12 +117,9 @@ def main() -> None:
     receiver = None
     url = args.server
     if url is None:
-        from wt_callbacks.receiver import Receiver
-
-        tokenizer = toy_task.build_tokenizer()
         # Another seed: the served copy starts out different from the trainer's.
-        receiver = Receiver(toy_task.build_model(tokenizer, seed=1), tokenizer=tokenizer, model_name="toy-reverser")
-        url = receiver.start()
+        receiver = toy_task.embedded_receiver()
+        url = receiver.url
         print(f"embedded reference receiver serving on {url}")
 
     module = ReversalLM(

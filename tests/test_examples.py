@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -11,8 +12,10 @@ from tests.support import REPO_ROOT
 
 
 def run_example(*args: str) -> str:
+    # The repository first on the path: from a worktree, its code, not an installed copy.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(
-        [sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout + proc.stderr
@@ -41,3 +44,16 @@ def test_accelerate_loop_two_processes_with_the_example_config():
     )  # fmt: skip
     assert "versions served: ['step-0', 'step-30', 'step-60']" in out
     assert "receiver checksums equal the trainer's weights: True" in out
+
+
+def test_online_rl_smoke(tmp_path):
+    plot = tmp_path / "online_rl.png"
+    out = run_example(
+        "examples/online_rl.py", "--steps", "6", "--sync-every", "2", "--prompts", "2", "--group", "4",
+        "--plot", str(plot),
+    )  # fmt: skip
+    # A reward line per sync after the cold one; every rollout came from synced weights.
+    lines = [line for line in out.splitlines() if line.startswith("sync ")]
+    assert [line.split(":")[0].split()[-1] for line in lines] == ["step-2", "step-4", "step-6"], out[-3000:]
+    assert all("rollouts from the weights of steps" in line for line in lines)
+    assert "reward:" in out and plot.stat().st_size > 0

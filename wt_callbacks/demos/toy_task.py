@@ -66,6 +66,17 @@ def served_model():
     return build_model(build_tokenizer(), seed=1)
 
 
+def embedded_receiver():
+    """A started reference receiver in this process serving ``served_model()``
+    with the tokenizer (completions included): the examples' server when they
+    are given none. Stop it with ``.stop()``."""
+    from wt_callbacks.receiver import Receiver
+
+    receiver = Receiver(served_model(), tokenizer=build_tokenizer(), model_name="toy-reverser")
+    receiver.start()
+    return receiver
+
+
 def save_pretrained(directory: str | Path, *, seed: int = 0) -> Path:
     """Write an untrained model + tokenizer that ``from_pretrained`` and vLLM load."""
     directory = Path(directory)
