@@ -166,14 +166,11 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         counters = self.weight_sync.state_dict() if self.weight_sync is not None else dict(self._restored or {})
         counters.pop("key", None)
         # "args" rebuild the callback when restore_callback_states_from_checkpoint
-        # is on: JSON values only, and never the api_key (trainer_state.json is
+        # is on: JSON values only, and never an api_key (trainer_state.json is
         # no place for a secret).
-        args: dict[str, Any] = {
-            k: v for k, v in self._overrides.items() if v is not None and k != "api_key" and _json_value(v)
-        }
+        given = {**self._overrides, "hparams": self.hparams}
+        args = _without_api_key({k: v for k, v in given.items() if v is not None and _json_value(v)})
         args["hparams_key"] = self.hparams_key
-        if _json_value(self.hparams) and self.hparams is not None:
-            args["hparams"] = self.hparams
         return {"args": args, "attributes": {"_restored": {"key": self._key(), **counters}}}
 
     def _take_saved_state(self, state: TrainerState) -> None:
@@ -278,6 +275,15 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         should_log = control.should_log
         Trainer.log(self.trainer, dict(metrics))
         control.should_log = should_log
+
+
+def _without_api_key(value: Any) -> Any:
+    """``value`` with every ``api_key`` entry left out, also inside a JSON object string."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        return json.dumps(_without_api_key(json.loads(value)))
+    if isinstance(value, dict):
+        return {k: _without_api_key(v) for k, v in value.items() if k != "api_key"}
+    return value
 
 
 def _json_value(value: Any) -> bool:
