@@ -126,6 +126,8 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         timeout_s: float | None = None,
         on_error: str | None = None,
         api_key: str | None = None,
+        verify_every_n_syncs: int | None = None,
+        verify_tolerance: float | None = None,
         hparams: Any = None,
         hparams_key: str = "weight_sync",
         client: Any = None,
