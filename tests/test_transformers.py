@@ -8,6 +8,7 @@ the cold sync, steps 3, 6, 9 and the final step 10, never a micro-batch.
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -104,3 +105,37 @@ def test_misconfiguration_fails_when_the_trainer_is_built(tmp_path):
     model = toy_task.build_model(toy_task.build_tokenizer(), seed=0)
     with pytest.raises(ValueError, match="did you mean 'every_n_train_steps'"):
         Trainer(model=model, args=args, train_dataset=ReversalRows(8), callbacks=[WeightSyncTrainerCallback()])
+
+
+def test_trl_sft_trainer(receivers, tmp_path):
+    """TRL's SFTTrainer (a Trainer subclass with its own ``log``): the same
+    callback, the same syncs, and TRL's own metrics stay on its loss rows."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from tests.support.transformers_app import training_arguments
+    from wt_callbacks.integrations.transformers import WeightSyncTrainerCallback
+
+    receiver = receivers()
+    tokenizer = toy_task.build_tokenizer()
+    rng = random.Random(0)
+    texts = [" ".join(toy_task.sample(rng)) for _ in range(400)]
+    args = trl.SFTConfig(**training_arguments(str(tmp_path), 10), max_length=32, dataset_text_field="text", packing=False)
+    trainer = trl.SFTTrainer(
+        model=toy_task.build_model(tokenizer, seed=0), args=args,
+        train_dataset=Dataset.from_dict({"text": texts}), processing_class=tokenizer,
+    )  # fmt: skip
+    trainer.add_callback(WeightSyncTrainerCallback(trainer, servers=[receiver.url], every_n_train_steps=3, timeout_s=60))
+    trainer.train()
+    print(f"TRL {trl.__version__} SFTTrainer:", receiver.core.version_history,
+          "checksums equal:", module_checksums(receiver.model) == module_checksums(trainer.model))  # fmt: skip
+    assert receiver.core.version_history == EXPECTED
+    assert module_checksums(receiver.model) == module_checksums(trainer.model)
+    history = trainer.state.log_history
+    synced = [(r["step"], r["weight_sync/step"]) for r in history if "weight_sync/syncs_completed" in r]
+    assert synced == [(0, 0.0), (3, 3.0), (6, 6.0), (9, 9.0), (10, 10.0)]
+    # SFTTrainer.log merges its pending train metrics into the next row it
+    # logs: they must land on the loss rows, never on a weight_sync row.
+    loss_rows = [r for r in history if "loss" in r]
+    assert len(loss_rows) == 10 and all("mean_token_accuracy" in r for r in loss_rows)
+    assert not any("mean_token_accuracy" in r for r in history if any(k.startswith("weight_sync/") for k in r))
