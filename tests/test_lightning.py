@@ -176,7 +176,7 @@ def test_lightning_cli_yaml(receiver_proc, tmp_path):
     subprocess.run([sys.executable, "-m", "wt_callbacks.demos.toy_task", str(model_dir)], check=True, timeout=120)
     receiver = receiver_proc("", extra_args=("--model", str(model_dir)))
     config = (REPO_ROOT / "examples/lightning_cli.yaml").read_text()
-    config = config.replace("http://127.0.0.1:8000", receiver.url).replace("max_steps: 100", "max_steps: 50")
+    config = config.replace("# servers: [http://127.0.0.1:8000]", f"servers: [{receiver.url}]").replace("max_steps: 100", "max_steps: 50")
     (tmp_path / "cli.yaml").write_text(config)
     proc = subprocess.run(
         [sys.executable, "examples/lightning_cli.py", "fit", "--config", str(tmp_path / "cli.yaml")],
