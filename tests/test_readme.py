@@ -8,10 +8,11 @@ comment, invisible on GitHub), so a new snippet is classified when it is written
                                               that links the repository's examples/;
                                               bash: ``bash -euo pipefail`` in the repository)
     <!-- snippet: run needs=receiver -->      a reference receiver serving the toy task's
-                                              model is started first, at the URL the snippet
-                                              names (http://127.0.0.1:8000); the snippet
-                                              must push weights into it, unless marked
-                                              ``pushes=no`` (it only reads from it)
+                                              model, at the URL the snippet names
+                                              (http://127.0.0.1:8000): one for all the
+                                              snippets, which must push weights into it;
+                                              ``pushes=no`` (only reads what it serves):
+                                              a fresh one of its own
     <!-- snippet: run needs=vllm -->          needs the vLLM venv (WT_VLLM_PYTHON)
     <!-- snippet: serve -->                   a server command: it must print its
                                               "serving on" line; then it is stopped
@@ -19,7 +20,8 @@ comment, invisible on GitHub), so a new snippet is classified when it is written
 
 What the test changes is kept here, not in the README: test sizes (``TEST_SIZE``),
 lines it does not run (``NOT_IN_TEST``), the interpreters (the ones running the
-tests), the port (a free one, never 8000) and the model directory (a temporary one).
+tests), the port (a free one, never 8000) and the model directory (a temporary one);
+and what it checks beyond the exit status (``EXPECTED_OUTPUT``).
 """
 
 from __future__ import annotations
@@ -49,11 +51,19 @@ ATTR = re.compile(r'(\w+)=(?:"([^"]*)"|(\S+))')
 RUN_TIMEOUT_S = 600
 
 TEST_SIZE = {
-    "examples/lightning_quickstart.py": ["--steps", "10", "--sync-every", "5"],
+    "examples/lightning_quickstart.py": ["--steps", "40", "--sync-every", "20"],
     "examples/lightning_cli.py": ["--trainer.max_steps", "10"],
     "examples/online_rl.py": ["--steps", "4", "--sync-every", "2", "--prompts", "2", "--group", "2"],
 }
 """Arguments appended to a script's command line: small, fast runs."""
+EXPECTED_OUTPUT = {
+    "bash scripts/setup.sh && .venv/bin/python examples/lightning_quickstart.py": [
+        *(f"weight sync {v}:" for v in ("step-0", "step-20", "step-40")),
+        *(f"served {v:>9} solves" for v in ("step-0", "step-20", "step-40")),
+        "receiver checksums equal the trainer's weights: True",
+    ],
+}
+"""Lines the output must contain, per README command line (the main job)."""
 NOT_IN_TEST = {
     "bash scripts/setup.sh": "the test runs in the venv it makes",
     "bash scripts/vllm_env.sh": "the vLLM venv is given by WT_VLLM_PYTHON",
@@ -155,8 +165,20 @@ def _stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
+@pytest.fixture(scope="module")
+def shared_receiver():
+    """One receiver subprocess for every snippet that pushes into one."""
+    receiver = start_receiver("wt_callbacks.demos.toy_task:served_model")
+    yield receiver
+    receiver.stop()
+
+
+def _updates(url: str) -> int:
+    return requests.get(f"{url}/weight_info", timeout=30).json()["updates_completed"]
+
+
 @pytest.mark.parametrize("snippet", RUNNABLE, ids=[f"README.md:{s.line}" for s in RUNNABLE])
-def test_snippet_runs_as_written(snippet: Snippet, tmp_path):
+def test_snippet_runs_as_written(snippet: Snippet, tmp_path, request):
     vllm_python = None
     if snippet.attrs.get("needs") == "vllm":
         vllm_python, reason = find_vllm_python()
@@ -164,9 +186,14 @@ def test_snippet_runs_as_written(snippet: Snippet, tmp_path):
             if os.environ.get(REQUIRE_VLLM_ENV) == "1":
                 pytest.fail(f"{reason} ({REQUIRE_VLLM_ENV}=1)")
             pytest.skip(reason)
-    receiver = None
+    receiver, own_receiver, updates_before = None, False, 0
     if snippet.attrs.get("needs") == "receiver":
-        receiver = start_receiver("wt_callbacks.demos.toy_task:served_model")
+        own_receiver = snippet.attrs.get("pushes") == "no"
+        if own_receiver:  # it must see the weights the receiver started with
+            receiver = start_receiver("wt_callbacks.demos.toy_task:served_model")
+        else:
+            receiver = request.getfixturevalue("shared_receiver")
+            updates_before = _updates(receiver.url)
         server = receiver.url.removeprefix("http://")
     else:
         server = f"127.0.0.1:{free_port()}"
@@ -194,10 +221,13 @@ def test_snippet_runs_as_written(snippet: Snippet, tmp_path):
             pytest.fail(f"{snippet.label} did not print {URL_MARKER!r}:\n{''.join(output)[-5000:]}")
         out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
         assert proc.returncode == 0, f"{snippet.label} failed:\n{out[-6000:]}"
-        if receiver is not None and snippet.attrs.get("pushes") != "no":
-            updates = requests.get(f"{receiver.url}/weight_info", timeout=30).json()["updates_completed"]
-            assert updates > 0, f"{snippet.label} synced nothing into the receiver:\n{out[-3000:]}"
+        commands = {line.strip() for line in snippet.code.splitlines()}
+        expected = [line for command, lines in EXPECTED_OUTPUT.items() if command in commands for line in lines]
+        missing = [line for line in expected if line not in out]
+        assert not missing, f"{snippet.label}: output lacks {missing}:\n{out[-6000:]}"
+        if receiver is not None and not own_receiver:
+            assert _updates(receiver.url) > updates_before, f"{snippet.label} synced nothing into the receiver:\n{out[-3000:]}"
     finally:
         _stop_group(proc)
-        if receiver is not None:
+        if own_receiver:
             receiver.stop()
