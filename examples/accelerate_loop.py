@@ -5,8 +5,8 @@ gradient accumulation; ``WeightSyncHook`` counts real optimizer steps and
 pushes the weights every ``every_n_train_steps`` of them, configured by
 ``examples/weight_sync.yaml``:
 
-    accelerate launch --config_file examples/accelerate_config.yaml examples/accelerate_loop.py
-    python examples/accelerate_loop.py --server URL        # one process, a vLLM server
+    .venv/bin/accelerate launch --config_file examples/accelerate_config.yaml examples/accelerate_loop.py
+    .venv/bin/python examples/accelerate_loop.py --server URL        # one process, a vLLM server
 
 With no ``--server`` the main process starts the embedded reference receiver
 and the run ends by checking its checksums against the trained weights.

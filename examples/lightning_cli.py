@@ -7,7 +7,7 @@
 callback in the YAML override the section's keys. With no ``servers`` (nor
 ``ray_actors``) in the section, as shipped, the script starts the embedded
 reference receiver, as the quickstart does; set ``servers`` to sync into
-running servers (``python -m wt_callbacks.receiver --model DIR`` or vLLM).
+running servers (``.venv/bin/python -m wt_callbacks.receiver --model DIR`` or vLLM).
 """
 
 from lightning.pytorch.cli import LightningCLI

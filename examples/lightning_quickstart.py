@@ -6,8 +6,8 @@ the CPU. ``WeightSyncCallback`` pushes its weights to an inference server every
 for greedy answers on held-out prompts, so you watch the served model improve
 as the versions arrive.
 
-    python examples/lightning_quickstart.py                    # embedded reference receiver
-    python examples/lightning_quickstart.py --server URL       # a vLLM server (see README)
+    .venv/bin/python examples/lightning_quickstart.py                    # embedded reference receiver
+    .venv/bin/python examples/lightning_quickstart.py --server URL       # a vLLM server (see README)
 
 With no ``--server`` the script starts the reference receiver in-process,
 serving a fresh (differently initialized) copy of the model, and ends by

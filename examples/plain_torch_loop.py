@@ -4,8 +4,8 @@ Uses the weight-transfer API directly (no Lightning, no Accelerate): build a
 ``ModuleSource``, create the trainer engine through
 ``WeightTransferTrainerFactory`` and call ``send_weights()`` on cadence.
 
-    python examples/plain_torch_loop.py                 # embedded reference receiver
-    python examples/plain_torch_loop.py --server URL    # any server speaking vLLM's RL routes
+    .venv/bin/python examples/plain_torch_loop.py                 # embedded reference receiver
+    .venv/bin/python examples/plain_torch_loop.py --server URL    # any server speaking vLLM's RL routes
 
 With no ``--server`` it starts the reference receiver in this process, hosting a
 fresh copy of the model, and checks at the end that the receiver holds exactly
