@@ -62,11 +62,14 @@ class ModuleSource(WeightSource):
 
     Args:
         module: the module as the training framework holds it: plain, DDP,
-            ``torch.compile``, activation checkpointing, FSDP2 (``fully_shard``).
-            The sharding scheme is detected, never configured.
+            ``torch.compile``, activation checkpointing, FSDP2 (``fully_shard``),
+            the FSDP1 root (``FullyShardedDataParallel``, either
+            ``use_orig_params``), a DeepSpeed engine (ZeRO stage 0-3). The
+            sharding scheme is detected, never configured.
         dtype: wire dtype for floating-point parameters (``None``: each
-            parameter's own). The cast happens before any gather, halving the
-            gathered bytes for a bf16 wire.
+            parameter's own). The cast happens before the gather (FSDP1,
+            FSDP2), halving the gathered bytes for a bf16 wire; DeepSpeed
+            ZeRO-3 gathers in the parameter dtype.
         submodule: path of the part to send, in checkpoint naming (``"model"``
             for ``pl_module.model``); ``None`` sends the whole module.
         include: ``fnmatch`` patterns; a sent name is kept if it matches one
@@ -98,7 +101,7 @@ class ModuleSource(WeightSource):
         self.include = tuple(include)
         self.exclude = tuple(exclude)
         self._root = find_submodule(module, submodule)
-        self._gather: ParameterGather = gather_for(self._root)
+        self._gather: ParameterGather = gather_for(module, submodule)
         self._layout = CheckpointLayout(self._root)
         self._plan_cache: _Plan | None = None
         plan = self._plan()
@@ -111,6 +114,12 @@ class ModuleSource(WeightSource):
     def module(self) -> torch.nn.Module:
         """The module given (as the framework holds it)."""
         return self._module
+
+    @property
+    def scheme(self) -> str:
+        """How the module's parameters are held, as detected: ``"local"``
+        (whole tensors or FSDP2 ``DTensor`` s), ``"fsdp1"``, ``"zero3"``."""
+        return self._gather.scheme
 
     def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightSource:
         if dtype is None or dtype == self._dtype:

@@ -1,0 +1,194 @@
+"""FSDP1 (``FullyShardedDataParallel``): full parameters one unit at a time.
+
+FSDP1 flattens each unit's parameters into one ``FlatParameter`` and keeps
+a shard of it per rank. The public way to unshard
+(``summon_full_params``) gathers in full precision only, even under
+``MixedPrecision``. So the gather is done here, from the layout FSDP1
+records on the flat parameter: each rank casts its local shard to the wire
+dtype, one all-gather per unit over the unit's process group fills a buffer
+this gatherer owns, and the original parameters are cut out of it as views.
+That is FSDP1's own unshard with the cast moved in front: half the gathered
+bytes for a bf16 wire. It works for both ``use_orig_params`` settings,
+every sharding strategy and CPU offload (the shard moves to the compute
+device first, as FSDP1 does for forward).
+
+Private FSDP1 attributes used (stable since torch 2.1; FSDP1 is in
+maintenance): ``FullyShardedDataParallel._handle`` and ``training_state``;
+the handle's ``flat_param``, ``uses_sharded_strategy``, ``process_group``,
+``device`` and ``_training_state``; the flat parameter's ``_local_shard`` (once set),
+``_fqns``, ``_shapes``, ``_strides``, ``_contiguities``,
+``_numels_with_padding``, ``_is_padding_mask``, ``_unpadded_unsharded_size``,
+``_params``, ``_shared_params`` and ``_param_extensions``. The tests pin them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from wt_callbacks.naming import checkpoint_name
+from wt_callbacks.transfer.base import ParamMeta
+from wt_callbacks.transfer.sources.gathering import ParameterGather, to_wire, wire_dtype
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One FSDP unit and the selected parameters of its flat parameter."""
+
+    fsdp: torch.nn.Module
+    names: tuple[str, ...]
+    """Sent names (checkpoint naming, relative to the selected submodule)."""
+    indices: tuple[int, ...]
+    """Their positions among the flat parameter's original parameters."""
+
+
+class FSDP1Units(ParameterGather):
+    """FSDP1 parameters, gathered a unit at a time after the cast.
+
+    Units come in ``named_modules()`` order (the root unit first), then the
+    parameters no unit manages (ignored modules), as plain tensors. A
+    yielded tensor is a view into the buffer its unit was gathered into,
+    which is never refilled: it stays valid for as long as the transport
+    holds it. Peak extra memory: the largest unit in the wire dtype (the
+    units whose views the transport still holds, and gloo's own copy of the
+    unit while it gathers on a CPU, come on top).
+
+    Names: a parameter is named by its first path in ``named_parameters()``
+    of the module given, as ``ModuleSource`` names an unwrapped model's, so
+    a weight tied across units (``use_orig_params=True`` registers the one
+    flat copy at both paths) is sent once, under the name of its first use.
+    With ``use_orig_params=False`` FSDP1 unties weights that it flattens
+    into different units (each unit trains its own copy from then on), and
+    both are sent; keep tied modules in one unit.
+
+    Args:
+        module: the module holding the FSDP root (Lightning:
+            ``trainer.strategy.model``; Accelerate: the model
+            ``accelerator.prepare`` returned).
+        submodule: the part to report, a path in checkpoint naming.
+
+    Raises:
+        ValueError: FSDP1 with tensor parallelism (2-D parameters inside
+            flat parameters), or flat shards whose unit lies outside ``module``.
+    """
+
+    scheme = "fsdp1"
+
+    def __init__(self, module: torch.nn.Module, submodule: str | None = None) -> None:
+        super().__init__(module)
+        self._prefix = f"{submodule}." if submodule else ""
+        self._units, self._plain, self._metas = self._plan()
+
+    def _selected(self, raw: str) -> str | None:
+        """The name of parameter ``raw`` (its path in ``module``) relative to
+        the submodule, or ``None`` outside it."""
+        name = checkpoint_name(raw)
+        return name[len(self._prefix) :] if name.startswith(self._prefix) else None
+
+    def _plan(self) -> tuple[list[_Unit], dict[str, torch.nn.Parameter], list[ParamMeta]]:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        first_path = {id(p): raw for raw, p in self.module.named_parameters()}
+        managed: set[int] = set()
+        units: list[_Unit] = []
+        metas: list[ParamMeta] = []
+        for path, unit in self.module.named_modules():
+            if not isinstance(unit, FullyShardedDataParallel) or unit._handle is None:
+                continue
+            flat = unit._handle.flat_param
+            if any(extension is not None for extension in flat._param_extensions):
+                raise ValueError(
+                    f"FSDP1 unit {path or 'at the root'!r} holds tensor-parallel (DTensor) parameters: FSDP1 "
+                    "with tensor parallelism is not supported; use FSDP2 (fully_shard) on a 2-D device mesh"
+                )
+            managed.add(id(flat))
+            managed.update(id(p) for p in (*(flat._params or ()), *(flat._shared_params or ())))
+            originals = flat._params or [None] * len(flat._fqns)
+            names, indices = [], []
+            for index, (fqn, shape, original) in enumerate(zip(flat._fqns, flat._shapes, originals)):
+                raw = first_path.get(id(original)) if original is not None else None
+                name = self._selected(raw or (f"{path}.{fqn}" if path else fqn))
+                if name is not None:
+                    names.append(name)
+                    indices.append(index)
+                    metas.append(ParamMeta(name, flat.dtype, tuple(shape)))
+            if names:
+                units.append(_Unit(unit, tuple(names), tuple(indices)))
+        plain: dict[str, torch.nn.Parameter] = {}
+        for raw, param in self.module.named_parameters():
+            if id(param) in managed:
+                continue
+            if getattr(param, "_fsdp_flattened", False):
+                raise ValueError(
+                    f"parameter {raw!r} is an FSDP1 flat shard whose FullyShardedDataParallel unit is outside "
+                    f"the module given ({type(self.module).__name__}): pass the module holding the FSDP root "
+                    "(Lightning: trainer.strategy.model; Accelerate: the model accelerator.prepare returned, "
+                    "not accelerator.unwrap_model(model))"
+                )
+            name = self._selected(raw)
+            if name is not None:
+                plain[name] = param
+                metas.append(ParamMeta(name, param.dtype, tuple(param.shape)))
+        return units, plain, metas
+
+    def parameters(self) -> list[ParamMeta]:
+        return list(self._metas)
+
+    def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        wanted = set(names)
+        for unit in self._units:
+            picked = [(n, i) for n, i in zip(unit.names, unit.indices) if n in wanted]
+            if not picked:
+                continue
+            originals = _unshard(unit.fsdp, dtype)
+            for name, index in picked:
+                yield name, originals[index]
+            del originals
+        for name in names:
+            if name in self._plain:
+                yield name, to_wire(self._plain[name].detach(), dtype)
+
+
+def _unshard(unit: torch.nn.Module, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """The unit's original parameters, full and in the wire dtype: views into
+    one buffer gathered for this call (a collective over the unit's group)."""
+    from torch.distributed.fsdp._common_utils import TrainingState
+    from torch.distributed.fsdp._flat_param import HandleTrainingState
+
+    handle = unit._handle
+    if unit.training_state != TrainingState.IDLE or handle._training_state != HandleTrainingState.IDLE:
+        raise RuntimeError(
+            "an FSDP1 unit is inside forward/backward or summon_full_params: sync between optimizer steps"
+        )
+    flat = handle.flat_param
+    wire = wire_dtype(flat.dtype, dtype)
+    if handle.uses_sharded_strategy:
+        # The padded local shard, in full precision even under MixedPrecision
+        # (and on the CPU under CPU offload), whether or not the unit is
+        # still unsharded after a forward. FSDP1 records it at its lazy
+        # init (first forward); before that the flat parameter is the shard.
+        shard = getattr(flat, "_local_shard", flat).detach().to(handle.device, wire)
+        group = handle.process_group
+        world = dist.get_world_size(group)
+        full = torch.empty(shard.numel() * world, dtype=wire, device=shard.device)
+        if shard.is_cpu:
+            dist.all_gather(list(full.chunk(world)), shard, group=group)
+        else:
+            dist.all_gather_into_tensor(full, shard, group=group)
+        del shard
+        full = full[: flat._unpadded_unsharded_size.numel()]
+    else:
+        # NO_SHARD: whole on every rank. Without a cast these are views of the
+        # live parameter, unchanged during a round, as LocalParameters yields.
+        full = flat.detach().to(wire)
+    originals = []
+    for piece, padding in zip(torch.split(full, flat._numels_with_padding), flat._is_padding_mask):
+        if padding:
+            continue
+        i = len(originals)
+        shape = flat._shapes[i]
+        originals.append(piece.view(shape) if flat._contiguities[i] else piece.as_strided(shape, flat._strides[i]))
+    return originals

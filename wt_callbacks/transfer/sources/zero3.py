@@ -1,0 +1,90 @@
+"""DeepSpeed ZeRO-3: full parameters a bounded group at a time.
+
+ZeRO-3 partitions every parameter across the ranks: ``numel()`` of a
+partitioned parameter is 0, its full size is ``ds_numel`` and its shape
+``ds_shape``. DeepSpeed's ``GatheredParameters`` gathers a list of them (one
+coalesced all-gather, in the parameter dtype: it has no way to cast first)
+and frees them again on exit, so each tensor is copied out while the group
+is gathered (the cast to the wire dtype is that copy). ZeRO-1/2 keep whole
+parameters on every rank: ``LocalParameters`` sends them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from wt_callbacks.transfer.base import ParamMeta
+from wt_callbacks.transfer.sources.gathering import ParameterGather, wire_dtype
+
+GROUP_BYTES = 64 * 1024 * 1024
+"""Target size of one gathered group, in the parameters' dtype."""
+
+
+class Zero3Groups(ParameterGather):
+    """ZeRO-3 parameters, gathered with ``GatheredParameters`` a group at a time.
+
+    A group collects parameters in order until its full size (``ds_numel``
+    times the element size) exceeds ``group_bytes``, the chunk cut rule of
+    the packed transport, so it is at most ``group_bytes`` plus one
+    parameter. Peak extra memory: one group plus the copies the transport
+    still holds. Parameters ZeRO-3 keeps whole (below
+    ``stage3_param_persistence_threshold``) are already available and
+    gathered by nobody, as ``GatheredParameters`` does.
+
+    Raises:
+        ValueError: parameters offloaded to NVMe (``offload_param: {device:
+            nvme}``): a group needs more swap buffers at once than
+            DeepSpeed's parameter swapper keeps (``buffer_count``).
+    """
+
+    scheme = "zero3"
+
+    def __init__(self, module: torch.nn.Module, group_bytes: int = GROUP_BYTES) -> None:
+        super().__init__(module)
+        self.group_bytes = group_bytes
+        self._params = dict(module.named_parameters())
+        for name, param in self._params.items():
+            # DeepSpeed marks a partition that lives on NVMe; "nvme" is OffloadDeviceEnum.nvme's value.
+            if getattr(getattr(param, "ds_tensor", None), "final_location", None) == "nvme":
+                raise ValueError(
+                    f"DeepSpeed ZeRO-3 keeps {name!r} on NVMe (offload_param device: nvme): weight sync "
+                    "gathers groups of parameters, more at once than DeepSpeed's NVMe swapper holds. "
+                    "Use offload_param device: cpu (or none) for a run that syncs its weights"
+                )
+
+    def parameters(self) -> list[ParamMeta]:
+        return [ParamMeta(name, p.dtype, _full_shape(p)) for name, p in self._params.items()]
+
+    def groups(self, names: Sequence[str]) -> list[list[str]]:
+        """``names`` cut into the groups gathered together, in order."""
+        groups: list[list[str]] = []
+        current: list[str] = []
+        size = 0
+        for name in names:
+            param = self._params[name]
+            current.append(name)
+            size += int(getattr(param, "ds_numel", param.numel())) * param.element_size()
+            if size > self.group_bytes:
+                groups.append(current)
+                current, size = [], 0
+        if current:
+            groups.append(current)
+        return groups
+
+    def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        import deepspeed
+
+        for group in self.groups(names):
+            params = [self._params[name] for name in group]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                for name, param in zip(group, params):
+                    full = param.detach()
+                    wire = wire_dtype(full.dtype, dtype)
+                    # A copy either way: the context frees the gathered data on exit.
+                    yield name, full.to(wire) if wire != full.dtype else full.clone()
+
+
+def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))
