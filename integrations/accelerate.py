@@ -13,8 +13,9 @@ optimizer steps itself::
                 optimizer.zero_grad()
 
 With ``optimizer`` given, a post-step hook on the optimizer Accelerate steps
-counts only steps that update the weights: never gradient-accumulation
-micro-steps, never steps skipped on an AMP overflow. Without it, call
+(under DeepSpeed: around the engine's step, which ``accelerator.backward``
+runs) counts only steps that update the weights: never gradient-accumulation
+micro-steps, never steps skipped on an overflow. Without it, call
 ``hook.step()`` after ``optimizer.step()``; it counts a step only when
 ``accelerator.sync_gradients`` is true and the step was not skipped.
 All the work is done by ``wt_callbacks.sync.WeightSync``.
@@ -35,22 +36,47 @@ from wt_callbacks.sync import Collectives, SyncResult, WeightSync
 logger = get_logger(__name__)
 
 
-def _refuse_flat_shards(accelerator: Accelerator) -> None:
-    """FSDP1 and DeepSpeed ZeRO-3 expose flattened or empty shards as
-    parameters; sending them would fail on the server, or worse."""
-    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
-    if deepspeed is not None and getattr(deepspeed, "zero_stage", 0) == 3:
-        raise ValueError(
-            "WeightSyncHook does not support DeepSpeed ZeRO stage 3 (partitioned parameters); "
-            "use FSDP2 (fsdp_version: 2) or ZeRO stage 1/2"
-        )
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if plugin is not None and getattr(plugin, "fsdp_version", 1) == 1:
-        raise ValueError(
-            "WeightSyncHook does not support FSDP1 (fsdp_version: 1): its parameters are flat shards. "
-            "Set fsdp_version: 2 in the Accelerate config; FSDP2's DTensor parameters are gathered "
-            "one at a time"
-        )
+def _ranks(accelerator: Accelerator) -> tuple[int, int]:
+    """This process's trainer rank and the world size.
+
+    torch.distributed's when its group is up: under DeepSpeed on a CPU-only
+    machine Accelerate reports one process, index 0, on every rank while
+    DeepSpeed runs a real multi-rank group (every rank would send).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return accelerator.process_index, accelerator.num_processes
+
+
+class _EngineStepHooks:
+    """``before()`` and ``after()`` around a DeepSpeed engine's ``step()``.
+
+    Under DeepSpeed, Accelerate runs the real optimizer step inside
+    ``accelerator.backward`` (``engine.step()``); the optimizer it returns
+    steps nothing, and neither it nor DeepSpeed's ZeRO optimizer has step
+    hooks. (A hook on the torch optimizer DeepSpeed wraps would fire before
+    ZeRO copies the updated weights back: a stale round.) ``after`` runs
+    only for steps that updated the weights (``was_step_applied``: not an
+    accumulation micro-step, not skipped on an overflow).
+    """
+
+    def __init__(self, engine: Any, before: Any, after: Any) -> None:
+        self._engine = engine
+        step = engine.step
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            before()
+            result = step(*args, **kwargs)
+            if engine.was_step_applied():
+                after()
+            return result
+
+        engine.step = hooked
+
+    def remove(self) -> None:
+        del self._engine.step  # the class's step again
 
 
 class WeightSyncHook:
@@ -58,8 +84,9 @@ class WeightSyncHook:
 
     Args:
         accelerator: the ``Accelerator`` that prepared ``model``.
-        model: the prepared model (DDP / compiled wrappers are unwrapped, and
-            their name prefixes stripped).
+        model: the model ``accelerator.prepare`` returned: DDP, FSDP (version
+            1 or 2), a DeepSpeed engine (any ZeRO stage), compiled. The
+            sharding is detected, wrapper name prefixes are stripped.
         optimizer: the optimizer returned by ``accelerator.prepare`` (or the
             one you passed to it); with it, syncs follow real optimizer steps
             on their own.
@@ -93,44 +120,56 @@ class WeightSyncHook:
         client: Any = None,
         **overrides: Any,
     ) -> None:
-        _refuse_flat_shards(accelerator)
         self.config = SyncConfig.from_hparams(hparams, key=hparams_key, **overrides)
         self.accelerator = accelerator
         self.global_step = 0
         self._failures_reported = 0
         self._handles: list[Any] = []
-        inner = self._inner_optimizer(optimizer) if optimizer is not None else None
+        prepared = self._prepared_optimizer(optimizer) if optimizer is not None else None
         self.weight_sync = WeightSync(self.config, client=client, log=logger.info)
-        world_size = accelerator.num_processes
+        rank, world_size = _ranks(accelerator)
         self.weight_sync.setup(
-            accelerator.unwrap_model(model),
-            rank=accelerator.process_index,
+            # As prepare returned it (FSDP1 root unit, DeepSpeed engine, DDP):
+            # the sharding scheme is detected there, wrapper names are stripped.
+            model,
+            rank=rank,
             world_size=world_size,
             collectives=Collectives.from_torch_distributed() if world_size > 1 else None,
         )
         accelerator.register_for_checkpointing(self)
-        if inner is not None:
+        if prepared is not None:
             # The cold sync waits for the first real step, so a load_state()
             # in between sends the restored weights, not the initial ones.
             self._cold_sync_pending = True
-            self._handles = [
-                inner.register_step_pre_hook(lambda *_: self._flush_cold_sync()),
-                inner.register_step_post_hook(lambda *_: self._count_step()),
-            ]
+            self._handles = self._hook_steps(prepared)
         else:
             self._cold_sync_pending = False
             self._report(self.weight_sync.sync_at_fit_start(self.global_step))
 
-    def _inner_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The torch optimizer Accelerate steps: the hook must sit on it, not
-        on a wrapper or on an optimizer Accelerate never steps."""
+    def _prepared_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The accelerator's wrapper of ``optimizer`` (given as prepare returned
+        it, or as it was passed to prepare)."""
         for prepared in self.accelerator._optimizers:
-            if optimizer is prepared or optimizer is prepared.optimizer:
-                return prepared.optimizer
+            inner = prepared.optimizer
+            # Under DeepSpeed, prepare's optimizer wraps DeepSpeed's, which wraps the one given.
+            if optimizer is prepared or optimizer is inner or optimizer is getattr(inner, "optimizer", None):
+                return prepared
         raise ValueError(
             "optimizer was not prepared by this accelerator: pass the optimizer returned by "
             "accelerator.prepare(...) (or leave optimizer out and call hook.step() after each step)"
         )
+
+    def _hook_steps(self, prepared: Any) -> list[Any]:
+        """Hooks before and after each real optimizer step: on the torch
+        optimizer Accelerate steps, or around DeepSpeed's engine step."""
+        engine = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        if engine is not None:
+            return [_EngineStepHooks(engine.engine, self._flush_cold_sync, self._count_step)]
+        inner = prepared.optimizer
+        return [
+            inner.register_step_pre_hook(lambda *_: self._flush_cold_sync()),
+            inner.register_step_post_hook(lambda *_: self._count_step()),
+        ]
 
     # -- steps and cadence ---------------------------------------------------
 

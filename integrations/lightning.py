@@ -36,23 +36,6 @@ from wt_callbacks.config import SyncConfig
 from wt_callbacks.sync import Collectives, SyncResult, WeightSync
 
 
-def _refuse_flat_shards(strategy: Any) -> None:
-    """FSDP1 and DeepSpeed ZeRO-3 expose flattened or empty shards as
-    parameters; sending them would put garbage on the servers."""
-    name = type(strategy).__name__
-    if name == "FSDPStrategy":
-        raise ValueError(
-            "WeightSyncCallback does not support FSDPStrategy (FSDP1): its parameters are flat shards. "
-            "Use ModelParallelStrategy (FSDP2: fully_shard in configure_model); its DTensor "
-            "parameters are gathered one at a time"
-        )
-    if name == "DeepSpeedStrategy" and getattr(strategy, "zero_stage_3", False):
-        raise ValueError(
-            "WeightSyncCallback does not support DeepSpeed ZeRO stage 3 (partitioned parameters); "
-            "use ModelParallelStrategy (FSDP2) or ZeRO stage 1/2"
-        )
-
-
 class WeightSyncCallback(Callback):
     """Pushes the LightningModule's weights to inference servers on cadence.
 
@@ -67,8 +50,14 @@ class WeightSyncCallback(Callback):
         client: a ready ``VLLMWeightSyncClient`` to use instead of one built
             from ``servers`` / ``ray_actors``.
 
+    Strategies: single device, DDP, ``ModelParallelStrategy`` (FSDP2),
+    ``FSDPStrategy`` (FSDP1, either ``use_orig_params``) and
+    ``DeepSpeedStrategy`` (every ZeRO stage); the sharding is detected from
+    the strategy's model, and the parameters are gathered a bounded piece at
+    a time.
+
     Lifecycle: the engine is created at fit start on every rank (after
-    ``configure_model``, so FSDP2 parameters are already sharded), a cold sync
+    ``configure_model`` and the strategy's wrapping), a cold sync
     runs before the first step and again after a resume, and everything is
     torn down in ``teardown`` and on exceptions (servers resumed if paused).
     Call ``sync_now(trainer)`` on every rank for custom cadences.
@@ -148,7 +137,6 @@ class WeightSyncCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        _refuse_flat_shards(trainer.strategy)
         self.config = self.resolve_config(pl_module)
 
     def _active(self, trainer: pl.Trainer) -> bool:
@@ -164,7 +152,9 @@ class WeightSyncCallback(Callback):
         if self._restored:
             self.weight_sync.load_state_dict(self._restored)
         self.weight_sync.setup(
-            pl_module,
+            # As the strategy holds it (FSDP1 root unit, DeepSpeed engine, DDP):
+            # the sharding scheme is detected there, wrapper names are stripped.
+            strategy.model,
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             collectives=Collectives(
