@@ -1,10 +1,15 @@
 """WeightSyncHook in real ``accelerate launch`` runs, syncing into receiver processes.
 
-Accelerate cannot run FSDP on a CPU (``--cpu`` and FSDP are exclusive, and an
-FSDP plugin passed in code silently falls back to DDP), so these tests cover
-single-process and 2-process MULTI_CPU (DDP over gloo); FSDP2 (DTensor
-parameters, the same path Accelerate's FSDP2 takes) is covered by the
-driver's and Lightning's torchrun tests.
+Single process and 2-process MULTI_CPU (DDP over gloo); 2-process DeepSpeed
+ZeRO-2 and ZeRO-3 through Accelerate's own DeepSpeed path, which runs on a
+CPU (``--use_deepspeed`` with a config file); FSDP1 with both
+``use_orig_params`` settings. Accelerate's FSDP plugin cannot run on a CPU
+(version 1 refuses: "no available devices found"; version 2 is silently
+dropped, and ``--cpu`` excludes ``--use_fsdp``), so for FSDP1 the app wraps
+the model in ``FullyShardedDataParallel(device_id=cpu)`` itself, as the
+plugin would, and hands the hook that; FSDP2 (DTensor parameters) is covered
+by the driver's and Lightning's torchrun tests. ``tests/test_gpu.py`` runs
+Accelerate's FSDP plugin (versions 1 and 2) on a GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ def served(url: str) -> dict:
     return info
 
 
-def launch(tmp_path, *args: str, processes: int = 1) -> dict:
+def launch(tmp_path, *args: str, processes: int = 1, launcher: tuple[str, ...] = ("--multi_gpu",), env=None) -> dict:
     out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}.json"
     if processes == 1:
         cmd = [sys.executable, "-m", APP]
@@ -40,10 +45,10 @@ def launch(tmp_path, *args: str, processes: int = 1) -> dict:
         # `--cpu --num_processes 2` would silently run ONE process; `--multi_gpu`
         # with Accelerator(cpu=True) in the script gives two MULTI_CPU ranks.
         cmd = [
-            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+            sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", str(processes),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", APP,
         ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run([*cmd, *args, "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
@@ -126,3 +131,75 @@ def test_misconfiguration_and_dead_servers_fail_at_construction(tmp_path):
     optimizer.step()
     hook.close()
     assert hook.global_step == 1
+
+
+# --------------------------------------------------------------------------- #
+# Sharded: FSDP1 and DeepSpeed, two processes, a bf16 wire
+# --------------------------------------------------------------------------- #
+
+MiB = 1024**2
+BUCKET = 1 * MiB
+WIDE_LAYER_BYTES = (512 * 512 + 512) * 4
+"""One layer of ``models.wide_mlp`` in fp32 (an FSDP1 unit of its own)."""
+WIDE_MODEL_BYTES = 16 * WIDE_LAYER_BYTES
+
+
+def deepspeed_launcher(tmp_path, stage: int) -> tuple[str, ...]:
+    config = tmp_path / f"zero{stage}.json"
+    config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+        # Every parameter partitioned, the small ones too.
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }))  # fmt: skip
+    return ("--use_deepspeed", "--deepspeed_config_file", str(config))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("run", "mode", "detected", "gathered"),
+    [
+        # What the scheme gathers at once: an FSDP1 unit (one layer, in bf16),
+        # a ZeRO-3 group (in the parameters' fp32; here the whole model).
+        ("fsdp1-flat", "optimizer", "fsdp1", WIDE_LAYER_BYTES // 2),
+        ("fsdp1-orig", "raw-optimizer", "fsdp1", WIDE_LAYER_BYTES // 2),
+        ("zero3", "optimizer", "zero3", WIDE_MODEL_BYTES),
+        ("zero2", "manual", "local", 0),
+    ],
+)
+def test_two_sharded_processes(receiver_proc, tmp_path, capsys, no_ring_left_behind, run, mode, detected, gathered):
+    """Gradient accumulation 2, a sync every 3 real steps, a bf16 wire, then
+    three rounds measuring what a round adds to the sender's memory."""
+    if run.startswith("zero"):
+        pytest.importorskip("deepspeed")
+        from wt_callbacks.demos.deepspeed_cpu import shm_files
+
+        shm_before = shm_files()
+        launcher = deepspeed_launcher(tmp_path, int(run[-1]))
+        extra: tuple[str, ...] = ()
+    else:
+        launcher = ("--multi_gpu",)
+        extra = ("--fsdp1", run.removeprefix("fsdp1-"))
+    receiver = receiver_proc("wt_callbacks.demos.models:wide_mlp")
+    result = launch(
+        tmp_path, "--server", receiver.url, "--steps", "9", "--grad-accum", "2", "--every", "3", "--mode", mode,
+        "--model", "wide_mlp", "--dtype", "bfloat16", "--bucket", str(BUCKET), "--measure-rounds", "3", *extra,
+        processes=2, launcher=launcher,
+        # Freed blocks go back to the OS at once: the peaks follow what is live.
+        env={"MALLOC_MMAP_THRESHOLD_": "65536", "DS_ACCELERATOR": "cpu"},
+    )  # fmt: skip
+    assert result["num_processes"] == 2 and result["scheme"] == detected
+    info = served(receiver.url)
+    assert info["version_history"] == ["step-0", "step-3", "step-6", "step-9", "measure-1", "measure-2", "measure-3"]
+    # The fp32 receiver holds the trainer's full weights rounded through bf16.
+    assert info["checksums"] == result["checksums"]
+    # The transport's buffers and the largest tensor in flight, plus what the
+    # scheme gathers at once, twice: gloo copies a CPU all-gather's output.
+    bound = 2 * BUCKET + 512 * 512 * 2 + 2 * gathered
+    peaks = result["measured_rss"]
+    with capsys.disabled():
+        print(f"\n{run}: sender's peak extra RSS per round {[round(p / MiB, 2) for p in peaks]} MiB, "
+              f"bound {bound / MiB:.2f} MiB, model {WIDE_MODEL_BYTES / MiB:.2f} MiB in fp32")
+    assert max(peaks) <= 1.5 * bound
+    if run.startswith("zero"):
+        assert shm_files() == shm_before  # DeepSpeed's shm op was never built nor mapped

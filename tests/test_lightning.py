@@ -1,4 +1,12 @@
-"""WeightSyncCallback in real Trainer.fit runs on CPU, syncing into receiver processes."""
+"""WeightSyncCallback in real Trainer.fit runs on CPU, syncing into receiver processes.
+
+Strategies here: single device, DDP and ModelParallelStrategy (FSDP2). Lightning's
+FSDPStrategy ("requires a GPU accelerator") and DeepSpeedStrategy ("only supported on CUDA
+GPUs") refuse a CPU. The callback hands WeightSync ``trainer.strategy.model``, which under
+them is the FSDP1 root unit around the LightningModule or the DeepSpeed engine:
+tests/test_sharded_sources.py sends from models wrapped exactly so, tests/test_accelerate.py
+trains them through the same driver, and tests/test_gpu.py runs both strategies on a GPU.
+"""
 
 from __future__ import annotations
 

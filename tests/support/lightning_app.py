@@ -4,7 +4,7 @@ Runs in the pytest process (``run(...)``) or under torchrun for the
 multi-process strategies (``python -m torch.distributed.run ... -m
 tests.support.lightning_app --out result.json ...``, from the repository
 root). Rank 0 writes what the test checks: the trainer's
-final checksums (gathered, so FSDP2 shards are compared whole) and the
+final checksums (gathered, so sharded parameters are compared whole) and the
 callback's state.
 """
 
@@ -22,8 +22,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from wt_callbacks.checksums import module_checksums
 from wt_callbacks.demos import models, tiny_lms, toy_task
+from wt_callbacks.demos.full_weights import full_checksums
 from wt_callbacks.demos.multiprocess import leave_group_together
 from wt_callbacks.integrations.lightning import WeightSyncCallback
 from wt_callbacks.transfer import materialize_full_tensor
@@ -107,6 +107,21 @@ class ToyLMModule(pl.LightningModule):
 TASKS = {"regression": TinyModule, "toy-lm": ToyLMModule}
 
 
+class FinalWeights(pl.Callback):
+    """The checksums the servers must hold at the end: gathered at
+    ``on_train_end`` (after the final sync, before the strategy tears down),
+    from the model as the strategy holds it (an FSDP1 root, a DeepSpeed
+    engine), on every rank (a collective); names relative to ``.model``."""
+
+    def __init__(self, via_dtype: torch.dtype | None) -> None:
+        self.via_dtype = via_dtype
+        self.checksums: dict[str, str] = {}
+
+    def on_train_end(self, trainer, pl_module):
+        full = full_checksums(trainer.strategy.model, via_dtype=self.via_dtype)
+        self.checksums = {n.removeprefix("model."): v for n, v in full.items() if n.startswith("model.")}
+
+
 class StepHook(pl.Callback):
     """Calls ``fn(step)`` once after each optimizer step (for fault injection)."""
 
@@ -123,6 +138,7 @@ def run(
     weight_sync: dict,
     *,
     strategy: str = "auto",
+    accelerator: str = "cpu",
     devices: int = 1,
     max_steps: int = -1,
     max_epochs: int | None = None,
@@ -149,11 +165,13 @@ def run(
     else:
         strategy_obj = strategy
     sync = WeightSyncCallback(**(callback_kwargs or {}))
-    callbacks: list[pl.Callback] = [sync, *(extra_sync_callbacks or []), *(extra_callbacks or [])]
+    wire = weight_sync.get("dtype")
+    final = FinalWeights(getattr(torch, wire) if wire else None)
+    callbacks: list[pl.Callback] = [sync, *(extra_sync_callbacks or []), *(extra_callbacks or []), final]
     if ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=strategy_obj,
         max_steps=max_steps,
@@ -174,12 +192,9 @@ def run(
         state = {n: materialize_full_tensor(p.detach()) for n, p in module.model.named_parameters()}
         if trainer.global_rank == 0:
             torch.save(state, state_out)
-    wire = weight_sync.get("dtype")
-    # What the receiver must hold; a collective when sharded: every rank calls it.
-    checksums = module_checksums(module.model, via_dtype=getattr(torch, wire) if wire else None)
     return {
         "global_step": trainer.global_step,
-        "checksums": checksums,
+        "checksums": final.checksums,
         "state": sync.state_dict(),
         "rank": trainer.global_rank,
         "sharded": any(type(p).__name__ == "DTensor" for p in module.model.parameters()),
@@ -190,6 +205,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--weight-sync", required=True, help="JSON of the weight_sync section")
     parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--accumulate", type=int, default=1)
@@ -201,6 +217,7 @@ def main() -> None:
     result = run(
         json.loads(args.weight_sync),
         strategy=args.strategy,
+        accelerator=args.accelerator,
         devices=args.devices,
         max_steps=args.max_steps,
         accumulate=args.accumulate,

@@ -57,3 +57,11 @@ def ring_overflow(seed: int = RECEIVER_SEED) -> nn.Module:
     streams through every slot more than once."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 16), nn.Linear(2048, 2304))
+
+
+def wide_mlp(seed: int = RECEIVER_SEED) -> nn.Module:
+    """Sixteen 512x512 layers (16.8 MB in fp32, about 1 MiB each): large
+    against a small transfer bucket, for measuring what a round adds to
+    the trainer's memory."""
+    torch.manual_seed(seed)
+    return TinyMLP(width=512, depth=16)

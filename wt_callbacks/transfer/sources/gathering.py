@@ -113,15 +113,16 @@ def _refuse_partial_models(module: torch.nn.Module) -> None:
     pipe = sys.modules.get("deepspeed.runtime.pipe.module")
     tensor_parallel = sys.modules.get("deepspeed.module_inject.layers")
     for name, sub in module.named_modules():
+        where = repr(name) if name else "the module"
         if pipe is not None and isinstance(sub, pipe.PipelineModule):
             raise ValueError(
-                f"{name or 'the module'!r} is a DeepSpeed PipelineModule: each rank holds only its pipeline "
+                f"{where} is a DeepSpeed PipelineModule: each rank holds only its pipeline "
                 "stage, so rank 0 cannot send the model. Sync from a data-parallel engine (ZeRO stage 0-3 "
                 "without pipeline parallelism)"
             )
         if tensor_parallel is not None and isinstance(sub, tensor_parallel.TensorParallel_Layer):
             raise ValueError(
-                f"{name!r} is a DeepSpeed tensor-parallel layer ({type(sub).__name__}, AutoTP): each rank holds "
+                f"{where} is a DeepSpeed tensor-parallel layer ({type(sub).__name__}, AutoTP): each rank holds "
                 "a slice of it, so rank 0 cannot send the model. Sync from a data-parallel engine "
                 "(tensor_parallel autotp_size 1), or use FSDP2 with DTensor tensor parallelism"
             )
