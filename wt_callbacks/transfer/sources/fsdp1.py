@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from wt_callbacks.naming import checkpoint_name
 from wt_callbacks.transfer.base import ParamMeta
-from wt_callbacks.transfer.sources.gathering import ParameterGather, to_wire, wire_dtype
+from wt_callbacks.transfer.sources.gathering import ParameterGather, _wire
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class FSDP1Units(ParameterGather):
             del originals
         for name in names:
             if name in self._plain:
-                yield name, to_wire(self._plain[name].detach(), dtype)
+                yield name, _wire(self._plain[name].detach(), dtype)
 
 
 def _unshard(unit: torch.nn.Module, dtype: torch.dtype | None) -> list[torch.Tensor]:
@@ -164,16 +164,15 @@ def _unshard(unit: torch.nn.Module, dtype: torch.dtype | None) -> list[torch.Ten
             "an FSDP1 unit is inside forward/backward or summon_full_params: sync between optimizer steps"
         )
     flat = handle.flat_param
-    wire = wire_dtype(flat.dtype, dtype)
     if handle.uses_sharded_strategy:
         # The padded local shard, in full precision even under MixedPrecision
         # (and on the CPU under CPU offload), whether or not the unit is
         # still unsharded after a forward. FSDP1 records it at its lazy
         # init (first forward); before that the flat parameter is the shard.
-        shard = getattr(flat, "_local_shard", flat).detach().to(handle.device, wire)
+        shard = _wire(getattr(flat, "_local_shard", flat).detach().to(handle.device), dtype)
         group = handle.process_group
         world = dist.get_world_size(group)
-        full = torch.empty(shard.numel() * world, dtype=wire, device=shard.device)
+        full = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
         if shard.is_cpu:
             dist.all_gather(list(full.chunk(world)), shard, group=group)
         else:
@@ -183,7 +182,7 @@ def _unshard(unit: torch.nn.Module, dtype: torch.dtype | None) -> list[torch.Ten
     else:
         # NO_SHARD: whole on every rank. Without a cast these are views of the
         # live parameter, unchanged during a round, as LocalParameters yields.
-        full = flat.detach().to(wire)
+        full = _wire(flat.detach(), dtype)
     originals = []
     for piece, padding in zip(torch.split(full, flat._numels_with_padding), flat._is_padding_mask):
         if padding:

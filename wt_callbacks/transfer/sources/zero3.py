@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from wt_callbacks.transfer.base import ParamMeta
-from wt_callbacks.transfer.sources.gathering import ParameterGather, wire_dtype
+from wt_callbacks.transfer.sources.gathering import ParameterGather, _wire
 
 GROUP_BYTES = 64 * 1024 * 1024
 """Target size of one gathered group, in the parameters' dtype."""
@@ -81,9 +81,9 @@ class Zero3Groups(ParameterGather):
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 for name, param in zip(group, params):
                     full = param.detach()
-                    wire = wire_dtype(full.dtype, dtype)
+                    sent = _wire(full, dtype)
                     # A copy either way: the context frees the gathered data on exit.
-                    yield name, full.to(wire) if wire != full.dtype else full.clone()
+                    yield name, sent if sent is not full else full.clone()
 
 
 def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
