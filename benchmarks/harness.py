@@ -134,3 +134,22 @@ class CpuLoadMeter:
         wall = end[0] - self._start[0]
         others = (end[1] - self._start[1]) - (end[2] - self._start[2])
         self.other_cores = max(others, 0.0) / wall if wall > 0 else 0.0
+
+
+def spawn_ranks(fn: Any, args: tuple[Any, ...], nprocs: int, budget_s: float) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` spawned processes; wait at most
+    ``budget_s``, then kill them by PID and raise. A rank that fails makes
+    ``join`` terminate the others and raise."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + budget_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the ranks did not finish within {budget_s:g} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)

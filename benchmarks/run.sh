@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every benchmark, one after the other (they must not share the CPUs), results
 # into benchmarks/results/: JSON, markdown and the throughput plot. Sets up the
-# project venv and the vLLM venv first (as the tests do). About 25 minutes on
+# project venv and the vLLM venv first (as the tests do). About 30 minutes on
 # 2 cores. Set WT_SKIP_VLLM=1 to leave out the vLLM comparison.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +11,7 @@ OUT=benchmarks/results
 mkdir -p "$OUT"
 "$PY" benchmarks/transfer_throughput.py --out "$OUT/transfer.json"
 "$PY" benchmarks/fsdp2_gather.py --out "$OUT/fsdp2_gather.json"
+"$PY" benchmarks/sharded_sync.py --out "$OUT/sharded_sync.json"
 "$PY" benchmarks/callback_overhead.py --repeats 7 --out "$OUT/callback_overhead.json"
 "$PY" benchmarks/checkpoint_format_cost.py --out "$OUT/checkpoint_format.json"
 if [ "${WT_SKIP_VLLM:-0}" != "1" ]; then

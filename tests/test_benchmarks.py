@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import REPO_ROOT
 
 
@@ -36,3 +38,14 @@ def test_checkpoint_format_cost_smoke(tmp_path):
     run("benchmarks/checkpoint_format_cost.py", "--layers", "1", "--experts", "4", "--hidden", "128", "--rounds", "1", "--out", str(out))
     result = json.loads(out.read_text())
     assert result["receiver_checksums_equal"] and result["sent_tensors"] > result["in_memory_tensors"]
+
+
+def test_sharded_sync_smoke(tmp_path):
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "sharded.json"
+    # ZeRO-3 alone, on one wire: the DeepSpeed side is the part of the script most likely to rot.
+    args = ["--params", "2M", "--cycles", "1", "--schemes", "zero3", "--wires", "bfloat16", "--out", str(out)]
+    run("benchmarks/sharded_sync.py", *args)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["scheme"], row["wire"], row["source_scheme"]) == ("zero3", "bfloat16", "zero3")
+    assert row["checksum"]["passed"]
