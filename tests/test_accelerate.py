@@ -157,17 +157,21 @@ def deepspeed_launcher(tmp_path, stage: int) -> tuple[str, ...]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("run", "mode", "detected", "gathered"),
+    ("run", "mode", "detected", "scheme_bytes"),
     [
-        # What the scheme gathers at once: an FSDP1 unit (one layer, in bf16),
-        # a ZeRO-3 group (in the parameters' fp32; here the whole model).
-        ("fsdp1-flat", "optimizer", "fsdp1", WIDE_LAYER_BYTES // 2),
-        ("fsdp1-orig", "raw-optimizer", "fsdp1", WIDE_LAYER_BYTES // 2),
-        ("zero3", "optimizer", "zero3", WIDE_MODEL_BYTES),
+        # What the scheme adds to the transport's share. FSDP1: the unit being
+        # gathered (one layer, in bf16), twice (gloo copies a CPU all-gather's
+        # output), and one more unit per chunk the transport holds (a held
+        # view keeps its whole unit's buffer). ZeRO-3: the group, twice, in
+        # the parameters' fp32; a group is up to 64 MiB, so here it is the
+        # whole model (benchmarks/sharded_sync.py shows the bound at 100M).
+        ("fsdp1-flat", "optimizer", "fsdp1", 4 * WIDE_LAYER_BYTES // 2),
+        ("fsdp1-orig", "raw-optimizer", "fsdp1", 4 * WIDE_LAYER_BYTES // 2),
+        ("zero3", "optimizer", "zero3", 2 * WIDE_MODEL_BYTES),
         ("zero2", "manual", "local", 0),
     ],
 )
-def test_two_sharded_processes(receiver_proc, tmp_path, capsys, no_ring_left_behind, run, mode, detected, gathered):
+def test_two_sharded_processes(receiver_proc, tmp_path, capsys, no_ring_left_behind, run, mode, detected, scheme_bytes):
     """Gradient accumulation 2, a sync every 3 real steps, a bf16 wire, then
     three rounds measuring what a round adds to the sender's memory."""
     if run.startswith("zero"):
@@ -193,13 +197,12 @@ def test_two_sharded_processes(receiver_proc, tmp_path, capsys, no_ring_left_beh
     assert info["version_history"] == ["step-0", "step-3", "step-6", "step-9", "measure-1", "measure-2", "measure-3"]
     # The fp32 receiver holds the trainer's full weights rounded through bf16.
     assert info["checksums"] == result["checksums"]
-    # The transport's buffers and the largest tensor in flight, plus what the
-    # scheme gathers at once, twice: gloo copies a CPU all-gather's output.
-    bound = 2 * BUCKET + 512 * 512 * 2 + 2 * gathered
+    # The transport's buffers and the largest tensor in flight, plus the scheme's share.
+    bound = 2 * BUCKET + 512 * 512 * 2 + scheme_bytes
     peaks = result["measured_rss"]
     with capsys.disabled():
         print(f"\n{run}: sender's peak extra RSS per round {[round(p / MiB, 2) for p in peaks]} MiB, "
               f"bound {bound / MiB:.2f} MiB, model {WIDE_MODEL_BYTES / MiB:.2f} MiB in fp32")
-    assert max(peaks) <= 1.5 * bound
+    assert max(peaks) <= bound
     if run.startswith("zero"):
         assert shm_files() == shm_before  # DeepSpeed's shm op was never built nor mapped

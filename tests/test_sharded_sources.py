@@ -117,9 +117,10 @@ def _finish(rank: int, out_dir: str, out: dict) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def fsdp1(module: nn.Module, use_orig_params: bool, units=(nn.Linear,)) -> nn.Module:
+def fsdp1(module: nn.Module, use_orig_params: bool, units=(nn.Linear,), **options) -> nn.Module:
     """FSDP1 around ``module``, with a unit for each submodule of a class in
-    ``units`` and for each submodule listed there."""
+    ``units`` and for each submodule listed there (``options``: more
+    ``FullyShardedDataParallel`` arguments)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import CustomPolicy
 
@@ -130,11 +131,12 @@ def fsdp1(module: nn.Module, use_orig_params: bool, units=(nn.Linear,)) -> nn.Mo
         auto_wrap_policy=CustomPolicy(lambda m: isinstance(m, classes) or any(m is u for u in instances)),
         device_id=torch.device("cpu"),
         use_orig_params=use_orig_params,
+        **options,
     )
 
 
 def _fsdp1_rank(rank: int, port: int, out_dir: str, checkpoints: dict[str, str]) -> None:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffload, fully_shard
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
@@ -155,6 +157,11 @@ def _fsdp1_rank(rank: int, port: int, out_dir: str, checkpoints: dict[str, str])
             llama = TINY_LMS["llama_tied"](seed=0)
             tied = fsdp1(llama, orig, units=(LlamaDecoderLayer, llama.lm_head))
             assert_sends_checkpoint(tied, checkpoints["llama_tied"], also=() if orig else ("lm_head.weight",))
+
+            # CPU offload: the shards live on the CPU and move to the compute device to be gathered.
+            # (summon_full_params itself refuses to run here without an accelerator.)
+            offloaded = fsdp1(Policy(), orig, cpu_offload=CPUOffload(offload_params=True))
+            assert_sends_like(offloaded, Policy())
 
             # Lightning's pl_module / Accelerate's unwrap_model(model): the root unit is outside.
             out[f"inner-{orig}"] = message_of(lambda: ModuleSource(wrapped.module))
