@@ -6,7 +6,7 @@ Run from the repository root::
 
 Smoke size (what CI runs, under a minute)::
 
-    python benchmarks/sharded_sync.py --params 2M --cycles 1 --schemes zero3 --wires bfloat16 --out /tmp/s.json
+    python benchmarks/sharded_sync.py --params 2M --cycles 1 --schemes fsdp1-orig,zero3,zero2 --wires bfloat16 --out /tmp/s.json
 
 What it measures: a ``torch_dist`` round of the synthetic Llama
 (``wt_callbacks.demos.synthetic_llama``) from 2 trainer ranks (spawned, gloo

@@ -43,9 +43,12 @@ def test_checkpoint_format_cost_smoke(tmp_path):
 def test_sharded_sync_smoke(tmp_path):
     pytest.importorskip("deepspeed")
     out = tmp_path / "sharded.json"
-    # ZeRO-3 alone, on one wire: the DeepSpeed side is the part of the script most likely to rot.
-    args = ["--params", "2M", "--cycles", "1", "--schemes", "zero3", "--wires", "bfloat16", "--out", str(out)]
+    # One wire; also the 2-rank rounds into a receiver for FSDP1 (use_orig_params=True) and ZeRO-2.
+    schemes = "fsdp1-orig,zero3,zero2"
+    args = ["--params", "2M", "--cycles", "1", "--schemes", schemes, "--wires", "bfloat16", "--out", str(out)]
     run("benchmarks/sharded_sync.py", *args)
-    (row,) = json.loads(out.read_text())["rows"]
-    assert (row["scheme"], row["wire"], row["source_scheme"]) == ("zero3", "bfloat16", "zero3")
-    assert row["checksum"]["passed"]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["scheme"], r["wire"], r["source_scheme"]) for r in rows] == [
+        ("fsdp1-orig", "bfloat16", "fsdp1"), ("zero3", "bfloat16", "zero3"), ("zero2", "bfloat16", "local"),
+    ]  # fmt: skip
+    assert all(r["checksum"]["passed"] and r["rss_extra_max"] <= r["bound"] for r in rows)
