@@ -304,7 +304,7 @@ def run_per_parameter(model: nn.Module, receiver: ReceiverProcess, *, rounds: in
                 start = time.perf_counter()
                 client.start_weight_update()
                 for meta, (_, tensor) in zip(metas, source):
-                    call = pool.submit(client.update_weights, update_info_for([meta]))
+                    call = pool.submit(client.update_weights, update_info_for([meta], session_id=engine.session_id))
                     engine.group.broadcast(tensor.contiguous()).wait()
                     call.result(timeout=timeout_s)
                 client.finish_weight_update("v")

@@ -93,11 +93,17 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
         naming the served parameter, when a layer was not updated).
         Receiving and loading are the base engine's.
 
-        A failed round puts the old tensors back into every layer it had not
-        completed, so the server keeps generating instead of running on the
-        meta tensors layerwise reload leaves behind (vLLM itself does not
-        finalize after a failed ``update_weights``). Layers completed before
-        the failure already hold the new weights: push again.
+        A failed ``update_weights`` puts the old tensors back into every layer
+        it had not completed, so the server keeps generating instead of
+        running on the meta tensors layerwise reload leaves behind: vLLM ends
+        the update on any exception (``_weight_update_active=False``) without
+        finalizing, so a later finish would not restore them, and the next
+        start would save meta tensors as the "old" ones. That holds for an
+        update refused before anything was received too (a malformed or
+        foreign update_info, a mismatched model): it ends vLLM's update but
+        not our transfer session, so the trainer's next round works. Layers
+        completed before a mid-stream failure already hold the new weights:
+        push again.
         """
 
         def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
@@ -124,15 +130,26 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                     "round completed hold the new ones. Push every tensor of the checkpoint again"
                 )
 
-        def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+        def update_weights(self, update_info: Any) -> None:
+            try:
+                super().update_weights(update_info)
+            except Exception:
+                try:
+                    self._abandon_reload()
+                except Exception:  # noqa: BLE001 - report the error that ended the round
+                    logger.exception("restoring the previous weights after a failed round failed")
+                raise
+
+        def check_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
             reason = self._guard.refusal(update_info.names, update_info.dtypes, update_info.shapes)
             if reason is not None:
-                self._abandon_reload()
                 raise ValueError(
                     f"{reason}. Nothing was received; the server keeps the previous weights. The trainer "
                     f"must send every tensor of the checkpoint this server loaded ({self.model_config.model}) "
                     "under its checkpoint name and shape"
                 )
+
+        def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
             model = self.model
             tracker = _LoadTracker(model)
             # The base engine loads through ``self.model.load_weights``; the
@@ -143,11 +160,6 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 with disable_mtp_completeness_check():
                     super().receive_weights(update_info)
             except Exception as e:
-                self.model = model
-                try:
-                    self._abandon_reload()
-                except Exception:  # noqa: BLE001 - report the error that ended the round
-                    logger.exception("restoring the previous weights after a failed round failed")
                 if tracker.last is None:
                     raise
                 name, dtype, shape = tracker.last

@@ -101,8 +101,10 @@ class SyncConfig:
         timeout_s: bound in seconds on every server call and transfer wait.
         on_error: ``"raise"`` stops training on a failed round; ``"warn"`` logs,
             keeps training and reconnects at the next due round.
-        api_key: bearer token for servers started with ``--api-key``
-            (default: the ``VLLM_API_KEY`` environment variable).
+        api_key: the servers' token (their ``VLLM_API_KEY``): the bearer
+            token of every call, and what the worker engine checks before it
+            joins a transfer group (default: the ``VLLM_API_KEY`` environment
+            variable).
         verify_every_n_syncs: after every K-th round, check what the servers
             serve: greedy logprobs of fixed probe prompts against the
             trainer's own model on the same tokens (``wt_callbacks.verify``);

@@ -37,9 +37,11 @@ import torch
 
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.transfer.base import (
+    CLEANUP_TIMEOUT_S,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightTransferError,
+    best_effort,
 )
 from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
 from wt_callbacks.transfer.factory import WeightTransferTrainerFactory
@@ -412,17 +414,19 @@ class WeightSync:
         return self.config.pause_mode is not None and callable(getattr(self.client, "pause", None))
 
     def _resume(self, *, quiet: bool = False) -> None:
-        """Resume servers this round paused. ``quiet`` logs a failure instead
-        of raising it, so it never masks the error that ended the round."""
+        """Resume servers this round paused. ``quiet`` (after a failure) logs
+        a failure instead of raising it, so it never masks the error that
+        ended the round, and waits at most ``CLEANUP_TIMEOUT_S``."""
         if not self._paused:
             return
+        if not quiet:
+            self.client.resume()  # a failure leaves _paused set: the quiet retry follows
+            self._paused = False
+            return
         self._paused = False
-        try:
-            self.client.resume()
-        except Exception as e:
-            if not quiet:
-                raise
-            logger.warning("could not resume the servers after a failed round: %s", e)
+        error = best_effort(self.client.resume, "resume", within_s=min(self.config.timeout_s, CLEANUP_TIMEOUT_S))
+        if error is not None:
+            logger.warning("could not resume the servers after a failed round: %s", error)
 
     def _connect(self) -> None:
         assert self.source is not None
@@ -449,7 +453,9 @@ class WeightSync:
                 return HTTPVLLMWeightSyncClient(cfg.servers, timeout=cfg.timeout_s, api_key=cfg.api_key)
             except ValueError as e:
                 raise ValueError(f"servers: {e}") from e
-        return RayVLLMWeightSyncClient(cfg.ray_actors, timeout=cfg.timeout_s, namespace=cfg.ray_namespace)
+        return RayVLLMWeightSyncClient(
+            cfg.ray_actors, timeout=cfg.timeout_s, namespace=cfg.ray_namespace, api_key=cfg.api_key
+        )
 
     # -- agreement and failure ----------------------------------------------
 
@@ -473,13 +479,25 @@ class WeightSync:
 
     def _agree(self, local: str | None) -> str | None:
         """The round's error as every rank sees it: rank 0's if it failed
-        (the rank that talks to the servers), else this rank's own."""
+        (the rank that talks to the servers), else this rank's own.
+
+        The agreement is a collective of the trainer's own ranks: if it fails,
+        a trainer rank is gone and no ``on_error`` can keep training, so it
+        raises ``WeightTransferError`` on every rank still alive.
+        """
         if self.world_size == 1:
             return None if local is None else f"trainer rank 0: {local}"
         assert self.collectives is not None
-        if not self.collectives.any_flag(local is not None):
-            return None
-        first = self.collectives.broadcast(local if self.rank == 0 else None)
+        try:
+            if not self.collectives.any_flag(local is not None):
+                return None
+            first = self.collectives.broadcast(local if self.rank == 0 else None)
+        except Exception as e:
+            raise WeightTransferError(
+                f"trainer rank {self.rank} could not agree with the other trainer ranks on the weight sync "
+                f"round ({_describe(e)}): a trainer rank died or hung"
+                + (f"; this rank's own error: {local}" if local else "")
+            ) from e
         if first is not None:
             return f"trainer rank 0: {first}"
         return f"trainer rank {self.rank}: {local}" if local else "another trainer rank failed (see its log)"

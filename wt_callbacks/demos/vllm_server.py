@@ -26,6 +26,7 @@ import torch
 
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.multiprocess import free_port
+from wt_callbacks.transfer.clients import API_KEY_ENV
 from wt_callbacks.verify import ProbeSet, served_completion, served_logprob_diff
 
 VLLM_PYTHON_ENV = "WT_VLLM_PYTHON"
@@ -72,6 +73,12 @@ class VLLMServer:
     url: str
     log_path: Path
     model_dir: Path
+    api_key: str | None = None
+    """The server's ``VLLM_API_KEY`` (its ``/v1`` routes want it as a bearer token)."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def log(self) -> str:
@@ -80,7 +87,7 @@ class VLLMServer:
     @functools.cached_property
     def served_model(self) -> str:
         """The ``model`` name completions must carry (``GET /v1/models``)."""
-        answer = requests.get(f"{self.url}/v1/models", timeout=10)
+        answer = requests.get(f"{self.url}/v1/models", headers=self.headers, timeout=10)
         answer.raise_for_status()
         return answer.json()["data"][0]["id"]
 
@@ -131,11 +138,14 @@ def start_vllm_server(
     extra_env: dict[str, str] | None = None,
     timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     port: int | None = None,
+    api_key: str | None = None,
 ) -> VLLMServer:
     """Start a server (on a free port unless ``port``) and wait (at most
     ``timeout_s``) for ``/health``.
 
-    ``backend=None`` starts it without a weight-transfer config. Raises
+    ``backend=None`` starts it without a weight-transfer config. ``api_key``
+    goes into its environment as ``VLLM_API_KEY``: vLLM guards ``/v1`` with
+    it, our worker engine ``init_weight_transfer_engine``. Raises
     ``VLLMStartError`` with the log tail if it exits or stays unhealthy; the
     process is stopped in that case.
     """
@@ -160,11 +170,11 @@ def start_vllm_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_env(dev_mode=dev_mode, extra=extra_env),
+            env=server_env(dev_mode=dev_mode, extra={**(extra_env or {}), **({API_KEY_ENV: api_key} if api_key else {})}),
             cwd=log_path.parent,
             start_new_session=True,  # its own process group: stop() can reach the workers
         )
-    server = VLLMServer(proc, f"http://127.0.0.1:{port}", log_path, model_dir)
+    server = VLLMServer(proc, f"http://127.0.0.1:{port}", log_path, model_dir, api_key)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -196,11 +206,13 @@ MAX_TOKENS = 4
 
 def completion(server: VLLMServer, prompt: list[int]) -> tuple[list[int], list[float]]:
     """vLLM's greedy continuation of ``prompt``: token ids and their logprobs."""
-    return served_completion(server.url, server.served_model, prompt, MAX_TOKENS, timeout_s=120)
+    return served_completion(
+        server.url, server.served_model, prompt, MAX_TOKENS, timeout_s=120, api_key=server.api_key
+    )
 
 
 def max_logprob_diff(server: VLLMServer, model: torch.nn.Module, prompts: list[list[int]]) -> float:
     """The largest |logprob difference| between ``server`` and ``model`` on ``prompts``
     (``wt_callbacks.verify``, the check users run)."""
     probes = ProbeSet(tuple(tuple(p) for p in prompts), MAX_TOKENS)
-    return served_logprob_diff(model, server.url, probes=probes, timeout_s=120)[server.url]
+    return served_logprob_diff(model, server.url, probes=probes, timeout_s=120, api_key=server.api_key)[server.url]

@@ -48,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--backend", default="torch_dist")
     parser.add_argument("--dtype", default=None, help="dtype to hold the weights in, e.g. bfloat16")
+    parser.add_argument(
+        "--api-key", default=None,
+        help="token every route but /health requires (default: VLLM_API_KEY from the environment; none: no check)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -62,7 +66,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             tokenizer = AutoTokenizer.from_pretrained(args.model)
         except (OSError, ValueError) as e:
             logger.warning("no tokenizer in %s (%s): /v1/completions disabled", args.model, e)
-    receiver = Receiver(model, backend=args.backend, tokenizer=tokenizer, model_name=args.model or args.module_factory)
+    receiver = Receiver(
+        model, backend=args.backend, tokenizer=tokenizer, model_name=args.model or args.module_factory,
+        api_key=args.api_key,
+    )  # fmt: skip
     url = receiver.start(args.host, args.port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -119,16 +119,27 @@ class ReceiverCore:
     """Lifecycle of weight updates around one model (shared by HTTP and Ray).
 
     Misuse answers as vLLM does: update or finish without start, and a second
-    start, raise ``RuntimeError``; a failed update ends the session.
+    start, raise ``RuntimeError``; a failed update ends the update (the stage
+    is dropped, as vLLM clears its active flag). Whether it also ends the
+    transfer session is the worker engine's call: only a failure of the
+    group does, a request refused before any byte moved does not. A failed
+    update also resumes generation: the trainer that paused it may be gone.
+
+    ``api_key``: the token the engine requires at ``init_weight_transfer_engine``
+    (default: ``VLLM_API_KEY``, as inside vLLM; see ``session``).
     """
 
-    def __init__(self, model: torch.nn.Module, *, backend: str = "torch_dist", tokenizer: Any = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, backend: str = "torch_dist", tokenizer: Any = None, api_key: str | None = None
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.engine = WeightTransferEngineFactory.create_engine(
             WeightTransferConfig(backend=backend), _host_config(), device, model
         )
+        if api_key is not None:
+            self.engine.api_key = api_key
         self.weight_version = "default"
         self.version_history: list[str] = []
         self.updates_completed = 0
@@ -272,6 +283,7 @@ class ReceiverCore:
             except Exception:
                 self._stage = None
                 self.engine.reset_weight_update_target()
+                self.resume()
                 raise
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:

@@ -1,5 +1,6 @@
 """The receiver over HTTP: vLLM's RL routes (and greedy completions) around a ``ReceiverCore``."""
 
+import hmac
 import logging
 import socket
 import threading
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from wt_callbacks.receiver.core import COMPLETION_PAUSE_WAIT_S, ReceiverCore
-from wt_callbacks.transfer.clients import PAUSE_MODES
+from wt_callbacks.transfer.clients import API_KEY_ENV, PAUSE_MODES, api_key_or_env
 
 logger = logging.getLogger(__name__)
 
@@ -21,15 +22,22 @@ PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 def _error(status: int, message: str) -> Any:
     from fastapi.responses import JSONResponse
 
-    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+        status, "InternalServerError"
+    )
     return JSONResponse(
         status_code=status,
         content={"error": {"message": message, "type": kind, "param": None, "code": status}},
     )
 
 
-def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
-    """The FastAPI app serving vLLM's RL routes (and greedy completions) over ``core``."""
+def build_app(core: ReceiverCore, model_name: str = "receiver", *, api_key: str | None = None) -> Any:
+    """The FastAPI app serving vLLM's RL routes (and greedy completions) over ``core``.
+
+    With ``api_key`` every route but ``/health`` requires ``Authorization:
+    Bearer <api_key>`` and answers 401 without it (vLLM's ``--api-key``
+    leaves its weight routes open; this receiver guards them all).
+    """
     import anyio
     from fastapi import Body, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -51,6 +59,22 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
         except Exception as exc:  # noqa: BLE001 - every route error becomes a 500 answer
             logger.warning("%s failed: %s", request.url.path, exc)
             return _error(500, f"{type(exc).__name__}: {exc}")
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_token(request: Request, call_next: Callable) -> Any:
+            # Added last, so it runs first: a refused call reaches no route.
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+                return _error(
+                    401,
+                    f"missing or wrong bearer token: this receiver requires its token (--api-key or "
+                    f"{API_KEY_ENV}); give the trainer the same key (api_key: in the weight_sync config, "
+                    f"or {API_KEY_ENV} in its environment)",
+                )
+            return await call_next(request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -184,6 +208,10 @@ def build_app(core: ReceiverCore, model_name: str = "receiver") -> Any:
 class Receiver:
     """Serves ``model`` on vLLM's RL routes from a background thread.
 
+    ``api_key`` (default: ``VLLM_API_KEY`` from the environment): the token
+    every route but ``/health`` requires, and that the worker engine checks
+    before it joins a transfer group. Without one, any caller is served.
+
     Example::
 
         with Receiver(model) as receiver:
@@ -191,8 +219,12 @@ class Receiver:
             ...                             # point the trainer at url
     """
 
-    def __init__(self, model: torch.nn.Module, *, backend: str = "torch_dist", tokenizer: Any = None, model_name: str = "receiver") -> None:
-        self.core = ReceiverCore(model, backend=backend, tokenizer=tokenizer)
+    def __init__(
+        self, model: torch.nn.Module, *, backend: str = "torch_dist", tokenizer: Any = None,
+        model_name: str = "receiver", api_key: str | None = None,
+    ) -> None:  # fmt: skip
+        self.api_key = api_key_or_env(api_key)
+        self.core = ReceiverCore(model, backend=backend, tokenizer=tokenizer, api_key=self.api_key)
         self.model_name = model_name
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -218,7 +250,8 @@ class Receiver:
         except OSError as e:
             sock.close()
             raise OSError(f"receiver cannot listen on {host}:{port}: {e}; choose another --port") from e
-        config = uvicorn.Config(build_app(self.core, self.model_name), log_level="warning", timeout_keep_alive=30)
+        app = build_app(self.core, self.model_name, api_key=self.api_key)
+        config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, name="wt-receiver", daemon=True

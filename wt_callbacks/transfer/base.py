@@ -12,10 +12,13 @@ import dataclasses
 import difflib
 import inspect
 import logging
+import threading
 import types
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -212,6 +215,43 @@ def drain(items: Iterable[Any]) -> None:
             pass
     except Exception:  # noqa: BLE001 - already failing; never mask the first error
         logger.warning("draining the weight source after a failed round failed", exc_info=True)
+
+
+CLEANUP_TIMEOUT_S = 10.0
+"""Bound on the best-effort calls after a failed round (ending a server's
+update, resuming generation), at most ``timeout_s`` each: the round already
+failed, and a server that stopped answering must not hold the error back by
+another full ``timeout_s`` per call."""
+
+
+def in_daemon_thread(fn: Callable[[], Any], name: str) -> Future:
+    """Run ``fn`` on a daemon thread: a server call stuck past our timeout
+    must not keep the training process alive at exit."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def best_effort(fn: Callable[[], Any], what: str, *, within_s: float) -> BaseException | None:
+    """Call ``fn`` after a failure, waiting at most ``within_s``; returns its
+    error (a ``WeightTransferError`` if it did not answer in time), never raises.
+
+    A call still running past the bound carries on in the background (its
+    own timeout ends it).
+    """
+    try:
+        return in_daemon_thread(fn, f"wt-{what}").exception(timeout=within_s)
+    except FutureTimeout:
+        return WeightTransferError(f"{what}: no answer within {within_s:.3g} s; not waiting for it")
 
 
 class _CastSource(WeightSource):

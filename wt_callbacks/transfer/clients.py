@@ -33,6 +33,11 @@ API_KEY_ENV = "VLLM_API_KEY"
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
+
+def api_key_or_env(api_key: str | None) -> str | None:
+    """``api_key``, else ``VLLM_API_KEY`` from the environment; ``None`` when neither is set (or empty)."""
+    return (api_key if api_key is not None else os.environ.get(API_KEY_ENV)) or None
+
 DEV_MODE_HINT = (
     "the server does not serve vLLM's weight-transfer routes: start vLLM with "
     "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{\"backend\": \"torch_dist\"}' "
@@ -118,8 +123,10 @@ class HTTPVLLMWeightSyncClient:
         timeout: seconds per request (connect + read).
         timeouts: per-method overrides, e.g. ``{"update_weights": 900}``;
             keys are this class's method names.
-        api_key: bearer token for servers started with ``--api-key``;
-            defaults to the ``VLLM_API_KEY`` environment variable.
+        api_key: the servers' token: sent as a bearer token (what vLLM's
+            ``--api-key`` checks) and proven to the worker engine at init
+            (``torch_dist``'s ``session_proof``); defaults to the
+            ``VLLM_API_KEY`` environment variable.
 
     Errors raise ``WeightSyncHTTPError`` carrying the URL, the status and the
     server's response body. A 404 on a weight route means the server runs
@@ -150,8 +157,8 @@ class HTTPVLLMWeightSyncClient:
         self.base_urls = [u.rstrip("/") for u in urls]
         self.timeout = float(timeout)
         self.timeouts = dict(timeouts or {})
-        token = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.api_key = api_key_or_env(api_key)
+        self._headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._sessions = [requests.Session() for _ in self.base_urls]
         self._fan_out = _FanOut(len(self.base_urls))
         self._world_sizes: list[int] | None = None
@@ -311,6 +318,9 @@ class RayVLLMWeightSyncClient:
             ``rank_offset``.
         world_sizes: each actor's inference world size; when omitted it is
             asked from the actors' ``get_world_size()`` method.
+        api_key: the token the actors' worker engines check at init (their
+            ``VLLM_API_KEY``); defaults to this process's ``VLLM_API_KEY``.
+            Ray's own authentication guards the calls.
     """
 
     def __init__(
@@ -321,6 +331,7 @@ class RayVLLMWeightSyncClient:
         namespace: str | None = None,
         shared_group: bool = False,
         world_sizes: Sequence[int] | None = None,
+        api_key: str | None = None,
     ) -> None:
         import ray
 
@@ -335,6 +346,7 @@ class RayVLLMWeightSyncClient:
         self.timeout = float(timeout)
         self.shared_group = shared_group
         self._world_sizes = list(world_sizes) if world_sizes is not None else None
+        self.api_key = api_key_or_env(api_key)
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
         import ray

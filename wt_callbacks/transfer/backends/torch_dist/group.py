@@ -14,18 +14,23 @@ import datetime
 import ipaddress
 import logging
 import socket
+import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from wt_callbacks.transfer.backends.torch_dist.session import check_peers, store_prefix
 from wt_callbacks.transfer.backends.torch_dist.shm_ring import ShmRing, join_ring, offer_ring
 from wt_callbacks.transfer.base import WeightTransferError
 
 logger = logging.getLogger(__name__)
 
-_STORE_PREFIX = "wt_callbacks/torch_dist"
+_TRAINER_LEFT_KEY = "trainer_left"
+WAIT_SLICE = datetime.timedelta(milliseconds=100)
+"""How often a worker waiting for a gloo broadcast asks whether the trainer left."""
 
 
 def is_loopback(host: str) -> bool:
@@ -47,8 +52,16 @@ def _local_address_towards(host: str) -> str:
 def open_store(
     master_address: str, master_port: int, world_size: int, *, is_master: bool, timeout_s: float
 ) -> dist.TCPStore:
-    """Rendezvous store; the master binds ``master_address:master_port``."""
+    """Rendezvous store; the master binds ``master_address:master_port``.
+
+    A worker first checks that the store listens: the trainer opens it
+    before it calls the servers, so a refused connection means the trainer
+    gave up (a call that reached a server late), and failing at once beats
+    TCPStore's retrying for ``timeout_s``.
+    """
     try:
+        if not is_master:
+            socket.create_connection((master_address, master_port), timeout=timeout_s).close()
         return dist.TCPStore(
             master_address,
             master_port,
@@ -74,10 +87,12 @@ class TransferGroup:
     """The trainer plus inference workers: one stateless process group.
 
     ``broadcast`` is asynchronous and returns a work handle; rank 0 is always
-    the source. ``destroy`` aborts the group so a peer stuck in a collective
-    with us gets an error right away instead of waiting for its timeout.
-    ``transport`` says what broadcasts travel over: ``"gloo"``, ``"nccl"``
-    or ``"shm"`` (the ring ``shm``; the gloo group is still there).
+    the source; workers wait for it with ``wait_received``. ``destroy``
+    leaves the group so that a peer stuck in a collective with us fails at
+    once instead of at its timeout. ``transport`` says what broadcasts travel
+    over: ``"gloo"``, ``"nccl"`` or ``"shm"`` (the ring ``shm``; the gloo
+    group is still there). ``store``: the session's view of the rendezvous
+    store (it keeps the trainer's store alive).
     """
 
     def __init__(self, store: dist.Store, pg: Any, rank: int, world_size: int, device: torch.device,
@@ -89,6 +104,8 @@ class TransferGroup:
         self.device = device
         self.shm = shm
         self.transport = "shm" if shm is not None else "nccl" if device.type == "cuda" else "gloo"
+        self._in_flight: deque[Any] = deque()
+        self._store_server: dist.TCPStore | None = None
 
     @classmethod
     def connect(
@@ -101,16 +118,19 @@ class TransferGroup:
         timeout_s: float,
         transport: str,
         device: torch.device,
+        session_id: str | None = None,
         fallback_to_gloo: bool = False,
     ) -> TransferGroup:
         """Join the group (blocks until every rank joined, at most ``timeout_s``).
 
+        With a ``session_id`` the store keys are that session's and every
+        rank proves it holds the secret before anything else (``session``).
         ``transport="shm"`` then negotiates the ring (``shm_ring``);
         ``fallback_to_gloo`` matters on rank 0 only, which decides for every
         rank: when a rank cannot map the ring, use gloo broadcasts (``True``,
         what ``auto`` asks for) or fail naming the fix.
         """
-        prefix = dist.PrefixStore(_STORE_PREFIX, store)
+        prefix = dist.PrefixStore(store_prefix(session_id), store)
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             if transport == "nccl":
@@ -128,27 +148,34 @@ class TransferGroup:
                 f"the transfer group of world_size={world_size} did not form within timeout_s={timeout_s:g} "
                 f"(this is rank {rank}): {e}. world_size must be 1 + all inference workers of all servers"
             ) from e
-        if transport != "shm":
-            return cls(store, pg, rank, world_size, device)
+        shm = None
+        step = "session check"
         try:
-            if rank == 0:
+            if session_id is not None:
+                check_peers(pg, session_id=session_id, rank=rank, world_size=world_size, device=device)
+            step = "shared-memory ring negotiation"
+            if transport == "shm" and rank == 0:
                 shm = offer_ring(prefix, world_size=world_size, timeout_s=timeout_s, fallback_to_gloo=fallback_to_gloo)
-            else:
+            elif transport == "shm":
                 shm = join_ring(prefix, rank=rank, world_size=world_size, timeout_s=timeout_s)
         except BaseException as e:
-            cls(store, pg, rank, world_size, device).destroy()
+            cls(prefix, pg, rank, world_size, device).destroy()
             if isinstance(e, WeightTransferError) or not isinstance(e, Exception):
                 raise
             raise WeightTransferError(
-                f"the shared-memory ring negotiation did not finish within timeout_s={timeout_s:g} "
+                f"the {step} of the transfer group did not finish within timeout_s={timeout_s:g} "
                 f"(this is rank {rank}; did a rank die?): {e}"
             ) from e
-        return cls(store, pg, rank, world_size, device, shm)
+        return cls(prefix, pg, rank, world_size, device, shm)
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         if self.shm is not None:
             return self.shm.broadcast(tensor)
-        return self.pg.broadcast(tensor, 0)
+        while self._in_flight and self._in_flight[0].is_completed():
+            self._in_flight.popleft()
+        work = self.pg.broadcast(tensor, 0)
+        self._in_flight.append(work)
+        return work
 
     @property
     def broadcast_parts(self) -> Callable[[list[torch.Tensor]], Any] | None:
@@ -157,13 +184,65 @@ class TransferGroup:
         ring can, and it lets the sender skip the pack copy."""
         return self.shm.broadcast_parts if self.shm is not None else None
 
+    def keep_store_server(self, server: dist.TCPStore) -> None:
+        """Keep the trainer's store server for the group's life (the workers
+        ask it whether the trainer left); ``destroy`` closes it."""
+        self._store_server = server
+
+    def wait_received(self, work: Any) -> None:
+        """A worker's wait for one broadcast of the trainer.
+
+        gloo's ``abort`` does not reach the peers (torch 2.13: a rank blocked
+        in a collective with a rank that aborted waits out its whole timeout,
+        and its own ``abort`` does not wake it either), so a worker waits in
+        slices of ``WAIT_SLICE`` and between them asks the trainer's store
+        whether the trainer left: a round the trainer gave up (another server
+        failed, a trainer rank died) frees this server at once, not at
+        ``timeout_s``. The ring has its own abort flag; NCCL waits as it did.
+        """
+        if self.transport != "gloo":
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(WAIT_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():  # the broadcast itself failed, not the slice
+                    raise
+            if self._trainer_left():
+                raise WeightTransferError("the trainer left the transfer group in the middle of a broadcast")
+
+    def _trainer_left(self) -> bool:
+        try:
+            return self.store is None or self.store.check([_TRAINER_LEFT_KEY])
+        except Exception:  # noqa: BLE001 - the store went away with the trainer
+            return True
+
     def destroy(self) -> None:
+        if self.rank == 0 and self.store is not None:
+            try:
+                self.store.set(_TRAINER_LEFT_KEY, "1")
+            except Exception:  # noqa: BLE001 - best effort, as below
+                logger.debug("could not tell the workers that the trainer leaves", exc_info=True)
         if self.shm is not None:
             self.shm.close()
             self.shm = None
+        pg, self.pg, self.store, self._store_server = self.pg, None, None, None
+        if pg is not None:
+            # Freeing a gloo group joins its threads, which wait until the
+            # group's pending operations (a broadcast to a peer that stopped
+            # reading, receives posted ahead) end: up to timeout_s, and
+            # ``abort`` does not end them sooner. A thread of its own holds
+            # the group until they ended, so whoever drops it last does not wait.
+            works, self._in_flight = self._in_flight, deque()
+            threading.Thread(target=_release, args=(pg, works), name="wt-release-group", daemon=True).start()
+
+
+def _release(pg: Any, works: deque[Any]) -> None:
+    while works:
         try:
-            self.pg.abort()
-        except Exception:  # noqa: BLE001 - best effort: the peer may already be gone
-            logger.debug("abort of the transfer group failed", exc_info=True)
-        self.pg = None
-        self.store = None
+            works.popleft().wait()
+        except Exception:  # noqa: BLE001 - a failed or timed-out operation has ended too
+            pass
+    del pg

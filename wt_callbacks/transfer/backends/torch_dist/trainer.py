@@ -12,22 +12,26 @@ from typing import Any
 import torch
 
 from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, is_loopback, open_store
-from wt_callbacks.transfer.backends.torch_dist.waits import in_daemon_thread, raise_if_failed, wait_for_work
+from wt_callbacks.transfer.backends.torch_dist.session import new_session_id, session_proof
+from wt_callbacks.transfer.backends.torch_dist.waits import raise_if_failed, wait_for_work
 from wt_callbacks.transfer.backends.torch_dist.wire import (
     TorchDistTrainerConfig,
     TorchDistTrainerInitInfo,
     update_info_for,
 )
 from wt_callbacks.transfer.base import (
+    CLEANUP_TIMEOUT_S,
     ParamMeta,
     TrainerWeightTransferEngine,
     TransferStats,
     VLLMWeightSyncClient,
     WeightSource,
     WeightTransferError,
+    best_effort,
     drain,
     dtype_name,
     finish_with_version,
+    in_daemon_thread,
 )
 from wt_callbacks.transfer.clients import group_world_size
 from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, slot_capacities
@@ -113,6 +117,7 @@ class TorchDistTrainerWeightTransferEngine(
         super().__init__(config, client=client, source=source.with_wire_dtype(config.wire_dtype), is_sender=is_sender)
         self.group: TransferGroup | None = None
         self.worker_init_info: dict[str, Any] | None = None
+        self.session_id: str | None = None
         self._failure: str | None = None
         self._pack_buffers: list[torch.Tensor] = []
 
@@ -154,10 +159,12 @@ class TorchDistTrainerWeightTransferEngine(
         timeout_s = self.config.timeout_s
         transport = self._transport(init_info.master_address)
         device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
-        store = open_store(init_info.master_address, init_info.master_port, world_size, is_master=True, timeout_s=timeout_s)
+        master = open_store(init_info.master_address, init_info.master_port, world_size, is_master=True, timeout_s=timeout_s)
+        port = master.port
+        session_id = new_session_id()
         self.worker_init_info = {
             "master_address": init_info.master_address,
-            "master_port": store.port,
+            "master_port": port,
             "rank_offset": 1,
             "world_size": world_size,
             "packed": self.config.packed,
@@ -165,18 +172,29 @@ class TorchDistTrainerWeightTransferEngine(
             "packed_num_buffers": self.config.packed_num_buffers,
             "timeout_s": timeout_s,
             "transport": transport,
+            "session_id": session_id,
         }
+        # The client holds the servers' token; a server that has one checks
+        # this proof of it (``session``).
+        api_key = getattr(self.client, "api_key", None)
+        if api_key:
+            self.worker_init_info["session_proof"] = session_proof(api_key, session_id, init_info.master_address, port)
         payload = dict(self.worker_init_info)
         server_call = in_daemon_thread(lambda: self.client.init_weight_transfer_engine(payload), "wt-init")
+        # The group joins through a client of the store, not the store server
+        # itself: giving up, this thread closes the server, which ends a join
+        # still waiting for workers at once (left to run out its timeout, it
+        # holds the port, and a process exiting meanwhile aborts in it).
         joined = in_daemon_thread(
             lambda: TransferGroup.connect(
-                store,
+                open_store(init_info.master_address, port, world_size, is_master=False, timeout_s=timeout_s),
                 master_address=init_info.master_address,
                 rank=0,
                 world_size=world_size,
                 timeout_s=timeout_s,
                 transport=transport,
                 device=device,
+                session_id=session_id,
                 fallback_to_gloo=self.config.transport == "auto",
             ),
             "wt-rendezvous",
@@ -196,13 +214,16 @@ class TorchDistTrainerWeightTransferEngine(
             raise_if_failed(server_call, "init_weight_transfer_engine")
         except BaseException:
             # A group the join still forms after we gave up has no owner: it
-            # would keep its store port, ring and heartbeat alive for good.
+            # would keep its ring and heartbeat alive for good.
             joined.add_done_callback(lambda f: f.exception() is None and f.result().destroy())
+            del master
             raise
         self.group = joined.result()
+        self.group.keep_store_server(master)
+        self.session_id = session_id
         logger.info(
             "torch_dist: %s group of %d ranks formed on %s:%d",
-            self.group.transport, world_size, init_info.master_address, store.port,
+            self.group.transport, world_size, init_info.master_address, port,
         )
 
     def send_weights(self, weight_version: str | None = None) -> None:
@@ -233,10 +254,11 @@ class TorchDistTrainerWeightTransferEngine(
     def _send_round(self, items: _TimedIterator, metas: list[ParamMeta], weight_version: str | None) -> int:
         if self.group is None:
             raise WeightTransferError("the engine has no transfer group: it was shut down; create a new one")
-        self.client.start_weight_update()
-        update_info = update_info_for(metas)
-        server_call = in_daemon_thread(lambda: self.client.update_weights(update_info), "wt-update")
+        server_call: Future | None = None
         try:
+            self.client.start_weight_update()
+            update_info = update_info_for(metas, session_id=self.session_id)
+            server_call = in_daemon_thread(lambda: self.client.update_weights(update_info), "wt-update")
             sent = self._broadcast(_checked(items, metas), metas, server_call)
         except BaseException:
             self._abandon_round(server_call)
@@ -245,8 +267,10 @@ class TorchDistTrainerWeightTransferEngine(
             finish_with_version(self.client, weight_version)
         except BaseException:
             # vLLM keeps a session whose finish raised (a round found
-            # incomplete) marked active and refuses every later start.
-            self._finish_quietly()
+            # incomplete, a server that did not answer) marked active and
+            # refuses every later start. Every byte arrived: the group is
+            # the session's and stays.
+            self._finish_quietly(within_s=min(self.config.timeout_s, CLEANUP_TIMEOUT_S))
             raise
         return sent
 
@@ -291,30 +315,37 @@ class TorchDistTrainerWeightTransferEngine(
             raise WeightTransferError(f"update_weights failed on the server: {e}") from e
         return sent
 
-    def _abandon_round(self, server_call: Future) -> None:
+    def _abandon_round(self, server_call: Future | None) -> None:
         """Leave a failed round so that no server stays stuck in it.
 
         Leaving the group first makes a server still receiving fail at once
-        instead of at its timeout. Then a plain finish ends any session that
+        instead of at its timeout. Then a plain finish ends any update that
         is still open (a server whose start succeeded while another's failed,
-        or whose update never arrived): otherwise its next start is refused
-        as "already active", and vLLM would serve from the meta tensors of an
-        unfinished layerwise reload. Finishing with nothing loaded keeps the
-        old weights. Best effort: the round's own error is what gets raised.
+        whose update never arrived, or whose start timed out and ran once it
+        answered again, as the finish, sent after it, then does too):
+        otherwise its next start is refused as "already active", and vLLM
+        would serve from the meta tensors of an unfinished layerwise reload.
+        Finishing with nothing loaded keeps the old weights (a failed finish
+        is retried the same way). Best effort, bounded by
+        ``CLEANUP_TIMEOUT_S`` in all: the round's own error is what gets
+        raised.
         """
         self.shutdown()
+        deadline = time.monotonic() + min(self.config.timeout_s, CLEANUP_TIMEOUT_S)
         try:
-            server_call.exception(timeout=min(self.config.timeout_s, 10.0))
+            if server_call is not None:
+                server_call.exception(timeout=deadline - time.monotonic())
         except FutureTimeout:
             pass
-        self._finish_quietly()
+        self._finish_quietly(within_s=max(deadline - time.monotonic(), 0.1))
 
-    def _finish_quietly(self) -> None:
-        """A plain finish that closes any session a failed round left open."""
-        try:
-            self.client.finish_weight_update()
-        except Exception as e:  # noqa: BLE001 - expected when the update already ended the session
-            logger.debug("finish after a failed round: %s", e)
+    def _finish_quietly(self, *, within_s: float) -> None:
+        """A plain finish that closes any update a failed round left open,
+        waiting at most ``within_s``; an error is expected when the update
+        already ended it."""
+        error = best_effort(self.client.finish_weight_update, "finish_weight_update", within_s=within_s)
+        if error is not None:
+            logger.debug("finish after a failed round: %s", error)
 
     def shutdown(self) -> None:
         self._pack_buffers.clear()

@@ -1,37 +1,19 @@
-"""Bounded waits of a ``torch_dist`` round: server calls on daemon threads, broadcasts polled.
+"""Bounded waits of a ``torch_dist`` round: broadcasts polled, watching the server calls.
 
 While the trainer broadcasts, the servers' ``init_weight_transfer_engine`` /
-``update_weights`` HTTP calls are in flight on other threads; every wait here
-also watches that call, so a server that refuses fails the round at once
-instead of at ``timeout_s``.
+``update_weights`` HTTP calls are in flight on other threads
+(``base.in_daemon_thread``); every wait here also watches that call, so a
+server that refuses fails the round at once instead of at ``timeout_s``.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from wt_callbacks.transfer.base import WeightTransferError
-
-def in_daemon_thread(fn: Callable[[], Any], name: str) -> Future:
-    """Run ``fn`` on a daemon thread: a server call stuck past our timeout
-    must not keep the training process alive at exit."""
-    future: Future = Future()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            future.set_exception(e)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
 
 
 def raise_if_failed(future: Future | None, what: str) -> None:

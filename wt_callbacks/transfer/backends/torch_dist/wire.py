@@ -4,7 +4,9 @@ The dicts are those of vLLM's dense ``nccl`` backend (worker init_info
 ``master_address, master_port, rank_offset, world_size, packed,
 packed_buffer_size_bytes, packed_num_buffers``; update_info ``names,
 dtype_names, shapes``) plus ``timeout_s`` and ``transport`` (``"gloo"``,
-``"nccl"`` or ``"shm"``), so moving to stock vLLM later is a config change.
+``"nccl"`` or ``"shm"``) and the session's keys (``session_id``,
+``session_proof``: see ``session``), so moving to stock vLLM later is a
+config change.
 Dtype names are torch attribute names (``"bfloat16"``).
 """
 
@@ -129,10 +131,14 @@ class TorchDistTrainerInitInfo(WeightTransferInitInfo):
 
 @dataclass(kw_only=True)
 class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
-    """Worker-side init dict (vLLM's dense NCCL keys + ``timeout_s``, ``transport``).
+    """Worker-side init dict (vLLM's dense NCCL keys + ``timeout_s``, ``transport``,
+    ``session_id``, ``session_proof``).
 
     ``transport``: ``"gloo"``, ``"nccl"`` or ``"shm"`` (the gloo group, then
-    the ring's negotiation: see ``shm_ring``).
+    the ring's negotiation: see ``shm_ring``). ``session_id``: the session's
+    secret; ``session_proof``: proof of the server's token (both in
+    ``session``). Both optional: a trainer older than sessions sends neither,
+    and a server without a token then accepts it as before.
     """
 
     master_address: str
@@ -144,6 +150,8 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
     transport: str = "gloo"
+    session_id: str | None = None
+    session_proof: str | None = None
 
     def __post_init__(self) -> None:
         if self.rank_offset < 1:
@@ -159,11 +167,13 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """Per-round update dict: the tensors that follow on the wire, in order."""
+    """Per-round update dict: the tensors that follow on the wire, in order,
+    and the ``session_id`` of the session they belong to (see ``session``)."""
 
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -177,11 +187,15 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 raise ValueError(f"shapes[{i}] ({self.names[i]}) must be non-negative ints, got {shape}")
 
 
-def update_info_for(metas: Iterable[ParamMeta]) -> dict[str, Any]:
-    """The JSON update dict describing ``metas``."""
+def update_info_for(metas: Iterable[ParamMeta], *, session_id: str | None = None) -> dict[str, Any]:
+    """The JSON update dict describing ``metas``, for the session ``session_id``
+    (an engine's ``session_id``; ``None`` for a group formed without one)."""
     metas = list(metas)
-    return {
+    info: dict[str, Any] = {
         "names": [m.name for m in metas],
         "dtype_names": [dtype_name(m.dtype) for m in metas],
         "shapes": [list(m.shape) for m in metas],
     }
+    if session_id is not None:
+        info["session_id"] = session_id
+    return info

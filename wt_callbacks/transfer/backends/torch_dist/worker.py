@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, open_store
+from wt_callbacks.transfer.backends.torch_dist.session import (
+    API_KEY_ENV,
+    check_init_authorized,
+    check_update_session,
+)
 from wt_callbacks.transfer.backends.torch_dist.wire import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -15,7 +21,10 @@ from wt_callbacks.transfer.backends.torch_dist.wire import (
     TorchDistWeightTransferUpdateInfo,
 )
 from wt_callbacks.transfer.base import WeightTransferConfig, WeightTransferEngine
+from wt_callbacks.transfer.clients import api_key_or_env
 from wt_callbacks.transfer.packing import broadcast_packed, receive_packed
+
+logger = logging.getLogger(__name__)
 
 
 class TorchDistWeightTransferEngine(
@@ -27,17 +36,32 @@ class TorchDistWeightTransferEngine(
     iterable of ``(name, tensor)`` per round. If the target has
     ``validate_update(names, dtypes, shapes)`` it is called before anything is
     received, so a mismatched model is refused before the trainer starts
-    streaming. Any receive error leaves the group (so the trainer fails at
-    once instead of at its timeout); the trainer then re-initializes.
+    streaming.
+
+    A request that is not the session's own is refused before any byte
+    moves and leaves the session as it was: an init_info that does not prove
+    the server's token, or is invalid; an update_info without the session's
+    secret (``session``), whatever else is wrong with it. The session ends
+    only with its own round: a receive error, a trainer that died or left,
+    or an update of the session that the model refuses (the trainer streams
+    into the group as it is refused); the worker then leaves the group, so
+    the trainer fails at once instead of at its timeout, and re-initializes.
+
+    ``api_key``: the server's token, which ``init_weight_transfer_engine``
+    must prove (``session``); read from ``VLLM_API_KEY`` (what vLLM's
+    ``--api-key`` reads), a host may set it. ``None``: any init_info is
+    accepted.
     """
 
     init_info_cls = TorchDistWeightTransferInitInfo
     update_info_cls = TorchDistWeightTransferUpdateInfo
+    _warned_unauthenticated = False  # once per process
 
     def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: TransferGroup | None = None
         self.init_info: TorchDistWeightTransferInitInfo | None = None
+        self.api_key: str | None = api_key_or_env(None)
         # Host memory only: receive buffers kept between rounds spare the page
         # faults of fresh memory. Not on a GPU, where they would pin a copy of
         # the model in device memory.
@@ -48,7 +72,17 @@ class TorchDistWeightTransferEngine(
         return init_info.rank_offset + getattr(pc, "data_parallel_index", 0) * pc.world_size + pc.rank
 
     def init_transfer_engine(self, init_info: TorchDistWeightTransferInitInfo) -> None:
-        self.shutdown()
+        """Check the request, then leave any previous session and join the new group."""
+        check_init_authorized(
+            self.api_key, init_info.session_id, init_info.session_proof,
+            init_info.master_address, init_info.master_port,
+        )  # fmt: skip
+        if self.api_key is None and not TorchDistWeightTransferEngine._warned_unauthenticated:
+            TorchDistWeightTransferEngine._warned_unauthenticated = True
+            logger.warning(
+                "torch_dist: this server has no token (%s is not set in its environment): "
+                "init_weight_transfer_engine accepts any caller", API_KEY_ENV,
+            )  # fmt: skip
         rank = self.worker_rank(init_info)
         if not 0 < rank < init_info.world_size:
             raise ValueError(
@@ -57,6 +91,7 @@ class TorchDistWeightTransferEngine(
             )
         if init_info.transport == "nccl" and self.device.type != "cuda":
             raise ValueError(f"transport='nccl' needs a CUDA device; this worker runs on {self.device}")
+        self.shutdown()
         store = open_store(
             init_info.master_address,
             init_info.master_port,
@@ -72,6 +107,7 @@ class TorchDistWeightTransferEngine(
             timeout_s=init_info.timeout_s,
             transport=init_info.transport,
             device=self.device if init_info.transport == "nccl" else torch.device("cpu"),
+            session_id=init_info.session_id,
         )
         self.init_info = init_info
 
@@ -82,18 +118,27 @@ class TorchDistWeightTransferEngine(
     def finish_weight_update(self) -> None:
         """Nothing to finalize (see ``start_weight_update``)."""
 
+    def check_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+        """Refuse (raise) an update of this session the model cannot take,
+        before anything is received: the target's ``validate_update(names,
+        dtypes, shapes)`` if it has one."""
+        validate = getattr(self.model, "validate_update", None)
+        if callable(validate):
+            validate(update_info.names, update_info.dtypes, [tuple(s) for s in update_info.shapes])
+
     def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
         if self.group is None or self.init_info is None:
             raise RuntimeError("init_weight_transfer_engine must be called before update_weights")
-        validate = getattr(self.model, "validate_update", None)
-        if callable(validate):
-            try:
-                validate(update_info.names, update_info.dtypes, [tuple(s) for s in update_info.shapes])
-            except Exception:
-                self.shutdown()
-                raise
+        check_update_session(self.init_info.session_id, update_info.session_id)
+        try:
+            self.check_update(update_info)
+        except Exception:
+            # The update is this session's own: its trainer streams into
+            # the group right now, and the round is lost. Leaving the
+            # group fails the trainer's sends at once.
+            self.shutdown()
+            raise
         info, group = self.init_info, self.group
-        wait = lambda work: work.wait()  # noqa: E731 - the transport's own timeouts bound it
         metas = list(zip(update_info.dtypes, update_info.shapes))
         if info.packed:
             tensors = receive_packed(
@@ -101,7 +146,7 @@ class TorchDistWeightTransferEngine(
                 buffer_size_bytes=info.packed_buffer_size_bytes,
                 num_buffers=info.packed_num_buffers,
                 broadcast=group.broadcast,
-                wait=wait,
+                wait=group.wait_received,
                 device=group.device,
                 buffers=self._receive_buffers if group.device.type == "cpu" else None,
             )
@@ -120,7 +165,7 @@ class TorchDistWeightTransferEngine(
         assert self.group is not None
         for dtype, shape in metas:
             tensor = torch.empty(tuple(shape), dtype=dtype, device=self.group.device)
-            self.group.broadcast(tensor).wait()
+            self.group.wait_received(self.group.broadcast(tensor))
             yield tensor
 
     def shutdown(self) -> None:
