@@ -27,8 +27,8 @@ def ring_files() -> set[str]:
     return set(glob.glob(os.path.join(SHM_DIR, SHM_NAME_PREFIX + "*")))
 
 
-def connect(urls, source: WeightSource, **config):
-    client = HTTPVLLMWeightSyncClient(urls, timeout=TIMEOUT_S)
+def connect(urls, source: WeightSource, *, api_key: str | None = None, **config):
+    client = HTTPVLLMWeightSyncClient(urls, timeout=TIMEOUT_S, api_key=api_key)
     engine = WeightTransferTrainerFactory.trainer_init(
         "torch_dist", {"timeout_s": TIMEOUT_S, **config}, LOCAL, client=client, source=source
     )
@@ -36,11 +36,12 @@ def connect(urls, source: WeightSource, **config):
 
 
 class InterruptingSource(WeightSource):
-    """``ModuleSource(model)`` that calls ``act`` before yielding tensor ``after``:
-    kills a receiver, or stalls the trainer, in the middle of a round."""
+    """A source (``ModuleSource(model)`` for a module) that calls ``act``
+    before yielding tensor ``after``: kills a receiver, or stalls the
+    trainer, in the middle of a round."""
 
-    def __init__(self, model: torch.nn.Module, act: Callable[[], None], after: int = 30) -> None:
-        self.inner = ModuleSource(model)
+    def __init__(self, model: torch.nn.Module | WeightSource, act: Callable[[], None], after: int = 30) -> None:
+        self.inner = model if isinstance(model, WeightSource) else ModuleSource(model)
         self.act = act
         self.after = after
 
