@@ -10,10 +10,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from wt_callbacks.demos.receiver_process import ReceiverProcess, start_receiver
 from wt_callbacks.demos.synthetic_llama import PARAMS_ENV
+from wt_callbacks.demos.vllm_server import VLLMServer
+from wt_callbacks.transfer.backends.torch_dist.shm_ring import SHM_DIR, SHM_NAME_PREFIX
 from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient
 
 MiB = 1024**2
@@ -153,3 +157,52 @@ def spawn_ranks(fn: Any, args: tuple[Any, ...], nprocs: int, budget_s: float) ->
             if process.is_alive():
                 process.kill()
                 process.join(timeout=10)
+
+
+def server_pids(server: VLLMServer) -> list[int]:
+    """The server's processes (launcher, engine core, worker): its process group."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == server.proc.pid:
+                pids.append(int(entry.name))
+    return pids
+
+
+@dataclass(frozen=True)
+class ProcessStats:
+    """Open file descriptors, threads and resident memory of some processes, summed."""
+
+    fds: int
+    threads: int
+    rss_bytes: int
+
+    _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+    @classmethod
+    def of(cls, pids: list[int]) -> ProcessStats:
+        fds = threads = rss = 0
+        for pid in pids:
+            try:
+                fds += len(os.listdir(f"/proc/{pid}/fd"))
+                threads += len(os.listdir(f"/proc/{pid}/task"))
+                with open(f"/proc/{pid}/statm", "rb") as f:
+                    rss += int(f.read().split()[1]) * cls._PAGE
+            except OSError:  # the process exited meanwhile
+                continue
+        return cls(fds, threads, rss)
+
+    def row(self) -> dict[str, float]:
+        return {"fds": self.fds, "threads": self.threads, "rss_mib": round(self.rss_bytes / MiB, 1)}
+
+
+def ring_file_count() -> int:
+    """Shared-memory ring files of this project in ``/dev/shm`` (any process's)."""
+    try:
+        return sum(name.startswith(SHM_NAME_PREFIX) for name in os.listdir(SHM_DIR))
+    except OSError:
+        return 0

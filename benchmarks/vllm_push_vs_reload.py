@@ -55,10 +55,10 @@ import requests
 import torch
 
 from wt_callbacks.demos import toy_task
-from wt_callbacks.demos.vllm_server import VLLMServer, find_vllm_python, max_logprob_diff, start_vllm_server
+from wt_callbacks.demos.vllm_server import find_vllm_python, max_logprob_diff, start_vllm_server
 from wt_callbacks.transfer import ModuleSource, WeightTransferTrainerFactory
 
-from harness import CpuLoadMeter, TimedClient
+from harness import CpuLoadMeter, TimedClient, server_pids
 
 SIZES = ("toy", "llama-74M")
 PROMPT_WORDS = "a b c d |"
@@ -111,20 +111,6 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.add_(torch.randn(p.shape, generator=generator) * 0.01)
-
-
-def server_pids(server: VLLMServer) -> list[int]:
-    """The server's processes (launcher, engine core, worker): its process group."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == server.proc.pid:
-                pids.append(int(entry.name))
-    return pids
 
 
 def timed(fn: Callable[[], Any]) -> float:

@@ -52,3 +52,20 @@ def test_sharded_sync_smoke(tmp_path):
         ("fsdp1-orig", "bfloat16", "fsdp1"), ("zero3", "bfloat16", "zero3"), ("zero2", "bfloat16", "local"),
     ]  # fmt: skip
     assert all(r["checksum"]["passed"] and r["rss_extra_max"] <= r["bound"] for r in rows)
+
+
+def test_soak_smoke(tmp_path):
+    out = tmp_path / "soak.json"
+    run("benchmarks/soak.py", "--target", "receiver", "--rounds", "5", "--at", "2", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["failed_rounds"] == 0 and result["final_check"] == "checksums equal"
+    assert [row["round"] for row in result["series"]] == [1, 2, 5]
+
+
+def test_sync_under_load_smoke(tmp_path):
+    out = tmp_path / "load.json"
+    run("benchmarks/sync_under_load.py", "--target", "receiver", "--clients", "2", "--seconds", "3",
+        "--sync-every", "1", "--max-tokens", "2", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["rounds"] >= 1 and result["failed_rounds"] == 0
+    assert sum(c["requests"] for c in result["requests"].values()) > 0
