@@ -110,15 +110,27 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             super().__init__(config, vllm_config, device, model)
             vllm_cpu_tuning.keep_freed_host_memory(device)
             self._guard = ReloadGuard(model, device, str(self.model_config.model))
+            self._reload_begun = False
 
         def start_weight_update(self) -> None:
-            initialize_layerwise_reload(self.model)
-            self._guard.start()
+            # Layerwise reload turns every layer into meta tensors until its
+            # weights arrive. Begun here, a round whose update never arrives
+            # (its trainer killed, or the call lost while the server was
+            # frozen) would leave a server that crashes on its next request;
+            # it begins with the round's first update instead.
+            self._reload_begun = False
+
+        def _begin_reload(self) -> None:
+            if not self._reload_begun:
+                initialize_layerwise_reload(self.model)
+                self._guard.start()
+                self._reload_begun = True
 
         def finish_weight_update(self) -> None:
             if not self._guard.round_open:
-                # The clean-up finish a trainer sends after a failed round:
-                # vLLM keeps a session whose finish raised marked active.
+                # No update arrived (the weights were never touched), or the
+                # clean-up finish a trainer sends after a failed round: vLLM
+                # keeps a session whose finish raised marked active.
                 return
             incomplete, processed = self._guard.keep_incomplete()
             finalize_layerwise_reload(self.model, self.model_config)
@@ -132,6 +144,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
 
         def update_weights(self, update_info: Any) -> None:
             try:
+                self._begin_reload()
                 super().update_weights(update_info)
             except Exception:
                 try:
