@@ -215,6 +215,27 @@ def test_connection_refused_while_the_server_restarts(forks, table):
     assert time.monotonic() - start < TIMEOUT_S
 
 
+def test_an_update_a_dead_round_left_open_does_not_block_the_next_trainer(forks, table):
+    """A trainer that died (or whose clean-up finish was lost while the server
+    was frozen) between start and update leaves the server "already active";
+    the next trainer finishes that update (it holds nothing) and its round
+    delivers."""
+    receiver = forks.start(FACTORY)
+    before = receiver.checksums()
+    HTTPVLLMWeightSyncClient(receiver.url, timeout=TIMEOUT_S).start_weight_update()  # the dead round's start
+    model = models.many_tensors(seed=3)
+    ws = weight_sync(receiver.url, None, "raise")
+    try:
+        ws.setup(model)
+        start = time.monotonic()
+        assert ws.sync(1) is not None
+        table.add("left open by a dead round @ start", "raise", time.monotonic() - start, "finished it, round delivered")
+    finally:
+        ws.close()
+    assert before != module_checksums(model) and receiver.checksums() == module_checksums(model)
+    receiver.kill()
+
+
 # --------------------------------------------------------------------------- #
 # trainer faults: a 2-rank FSDP2 trainer loses a rank in the middle of a round
 # --------------------------------------------------------------------------- #

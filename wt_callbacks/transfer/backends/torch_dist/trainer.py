@@ -38,6 +38,9 @@ from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, slot_ca
 
 logger = logging.getLogger(__name__)
 
+STALE_UPDATE = "already active"
+"""What vLLM (and the reference receiver) answer a start while an update is open."""
+
 
 class _TimedIterator:
     """Iterates a source, timing the time spent producing tensors (the gathers)."""
@@ -256,7 +259,7 @@ class TorchDistTrainerWeightTransferEngine(
             raise WeightTransferError("the engine has no transfer group: it was shut down; create a new one")
         server_call: Future | None = None
         try:
-            self.client.start_weight_update()
+            self._start_update()
             update_info = update_info_for(metas, session_id=self.session_id)
             server_call = in_daemon_thread(lambda: self.client.update_weights(update_info), "wt-update")
             sent = self._broadcast(_checked(items, metas), metas, server_call)
@@ -273,6 +276,24 @@ class TorchDistTrainerWeightTransferEngine(
             self._finish_quietly(within_s=min(self.config.timeout_s, CLEANUP_TIMEOUT_S))
             raise
         return sent
+
+    def _start_update(self) -> None:
+        """``start_weight_update``. A server still in an update an earlier
+        round left open (its trainer died, or the clean-up finish was lost
+        while the server was frozen) refuses it as "already active" for good:
+        that update is finished first (it keeps the weights it holds), then
+        the start is sent again."""
+        try:
+            self.client.start_weight_update()
+            return
+        except Exception as e:
+            if STALE_UPDATE not in str(e):
+                raise
+            logger.warning("torch_dist: a server is still in an earlier round's update; finishing it first (%s)", e)
+        # vLLM keeps an update whose finish raised marked active: a second finish ends it.
+        for _ in range(2):
+            self._finish_quietly(within_s=min(self.config.timeout_s, CLEANUP_TIMEOUT_S))
+        self.client.start_weight_update()
 
     def _broadcast(self, tensors: Iterator[torch.Tensor], metas: list[ParamMeta], server_call: Future) -> int:
         """Stream the tensors, then wait for the servers to confirm the update."""
