@@ -29,6 +29,8 @@ from wt_callbacks.demos.multiprocess import free_port
 from wt_callbacks.transfer.clients import API_KEY_ENV
 from wt_callbacks.verify import ProbeSet, served_completion, served_logprob_diff
 
+VLLM_AUTH_MIDDLEWARE = "wt_callbacks.integrations.vllm_auth.require_token"
+"""vLLM ``--middleware`` guarding the routes vLLM's ``--api-key`` leaves open."""
 VLLM_PYTHON_ENV = "WT_VLLM_PYTHON"
 """Path to the python of the vLLM venv (``scripts/vllm_env.sh`` prints it)."""
 REQUIRE_VLLM_ENV = "WT_REQUIRE_VLLM"
@@ -145,7 +147,8 @@ def start_vllm_server(
 
     ``backend=None`` starts it without a weight-transfer config. ``api_key``
     goes into its environment as ``VLLM_API_KEY``: vLLM guards ``/v1`` with
-    it, our worker engine ``init_weight_transfer_engine``. Raises
+    it, ``VLLM_AUTH_MIDDLEWARE`` every other route but ``/health``, and our
+    worker engine wants a proof of it at init. Raises
     ``VLLMStartError`` with the log tail if it exits or stays unhealthy; the
     process is stopped in that case.
     """
@@ -163,6 +166,8 @@ def start_vllm_server(
     ]  # fmt: skip
     if backend is not None:
         cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
+    if api_key:
+        cmd += ["--middleware", VLLM_AUTH_MIDDLEWARE]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

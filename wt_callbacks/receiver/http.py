@@ -1,6 +1,5 @@
 """The receiver over HTTP: vLLM's RL routes (and greedy completions) around a ``ReceiverCore``."""
 
-import hmac
 import logging
 import socket
 import threading
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 
 from wt_callbacks.receiver.core import COMPLETION_PAUSE_WAIT_S, ReceiverCore
+from wt_callbacks.transfer.auth import bearer_matches, refusal
 from wt_callbacks.transfer.clients import API_KEY_ENV, PAUSE_MODES, api_key_or_env
 
 logger = logging.getLogger(__name__)
@@ -22,9 +22,7 @@ PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 def _error(status: int, message: str) -> Any:
     from fastapi.responses import JSONResponse
 
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
-        status, "InternalServerError"
-    )
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
     return JSONResponse(
         status_code=status,
         content={"error": {"message": message, "type": kind, "param": None, "code": status}},
@@ -61,19 +59,12 @@ def build_app(core: ReceiverCore, model_name: str = "receiver", *, api_key: str 
             return _error(500, f"{type(exc).__name__}: {exc}")
 
     if api_key:
-        expected = f"Bearer {api_key}".encode()
 
         @app.middleware("http")
         async def require_token(request: Request, call_next: Callable) -> Any:
             # Added last, so it runs first: a refused call reaches no route.
-            given = request.headers.get("authorization", "").encode()
-            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
-                return _error(
-                    401,
-                    f"missing or wrong bearer token: this receiver requires its token (--api-key or "
-                    f"{API_KEY_ENV}); give the trainer the same key (api_key: in the weight_sync config, "
-                    f"or {API_KEY_ENV} in its environment)",
-                )
+            if request.url.path != "/health" and not bearer_matches(request.headers.get("authorization"), api_key):
+                return JSONResponse(status_code=401, content=refusal(f"--api-key or {API_KEY_ENV}"))
             return await call_next(request)
 
     @app.get("/health")
