@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every benchmark, one after the other (they must not share the CPUs), results
 # into benchmarks/results/: JSON, markdown and the throughput plot. Sets up the
-# project venv and the vLLM venv first (as the tests do). About 35 minutes on
+# project venv and the vLLM venv first (as the tests do). More than 30 minutes on
 # 2 cores. Set WT_SKIP_VLLM=1 to leave out the vLLM comparison.
 set -euo pipefail
 cd "$(dirname "$0")/.."
