@@ -5,8 +5,8 @@ turns them into full tensors. ``ModuleSource`` asks ``gather_for(module,
 submodule)`` for the one that fits: the scheme is detected from the module,
 never configured, so the same ``weight_sync`` section works under every
 strategy (``schemes``). One module per gatherer: ``LocalParameters`` here
-(whole tensors and FSDP2 ``DTensor`` s), ``fsdp1`` (FSDP1 units), ``zero3``
-(DeepSpeed ZeRO-3 groups).
+(whole tensors), ``fsdp2`` (FSDP2 ``DTensor`` s, a bucket at a time),
+``fsdp1`` (FSDP1 units), ``zero3`` (DeepSpeed ZeRO-3 groups).
 
 Every gatherer keeps the ``WeightSource`` contract: ``parameters()``
 reports full shapes without any communication, ``gather()`` is a
@@ -23,8 +23,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from wt_callbacks.naming import find_submodule
-from wt_callbacks.transfer.base import ParamMeta, materialize_full_tensor
-from wt_callbacks.transfer.sources.schemes import FSDP1, ZERO3, sharding_scheme
+from wt_callbacks.transfer.base import ParamMeta
+from wt_callbacks.transfer.sources.schemes import DTENSOR, FSDP1, ZERO3, sharding_scheme
 
 
 class ParameterGather(ABC):
@@ -58,8 +58,7 @@ def _wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 class LocalParameters(ParameterGather):
     """Parameters that are whole tensors on every rank (single device, DDP,
-    DeepSpeed ZeRO-1/2) or FSDP2 ``DTensor``s (``fully_shard``), gathered
-    one at a time through ``full_tensor()``, after the cast."""
+    DeepSpeed ZeRO-1/2); FSDP2 ``DTensor`` s are ``fsdp2.FSDP2Shards``'."""
 
     scheme = "local"
 
@@ -69,7 +68,7 @@ class LocalParameters(ParameterGather):
     def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         params = dict(self.module.named_parameters())
         for name in names:
-            yield name, materialize_full_tensor(_wire(params[name].detach(), dtype))
+            yield name, _wire(params[name].detach(), dtype)
 
 
 def gather_for(module: torch.nn.Module, submodule: str | None = None) -> ParameterGather:
@@ -95,4 +94,8 @@ def gather_for(module: torch.nn.Module, submodule: str | None = None) -> Paramet
         from wt_callbacks.transfer.sources.zero3 import Zero3Groups
 
         return Zero3Groups(root)
+    if scheme == DTENSOR:
+        from wt_callbacks.transfer.sources.fsdp2 import FSDP2Shards
+
+        return FSDP2Shards(root)
     return LocalParameters(root)
