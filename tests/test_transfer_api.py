@@ -14,6 +14,7 @@ import requests
 import torch
 
 from wt_callbacks.demos import models
+from wt_callbacks.demos.tiny_lms import TINY_LMS
 from wt_callbacks.receiver import Receiver
 from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
@@ -36,7 +37,7 @@ from wt_callbacks.transfer.backends.torch_dist import (
 )
 from wt_callbacks.transfer.base import finish_with_version
 from wt_callbacks.transfer.clients import assign_rank_offsets
-from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks
+from wt_callbacks.transfer.packing import CastPart, broadcast_packed, plan_chunks
 from wt_callbacks.receiver import _host_config
 
 LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
@@ -259,6 +260,44 @@ def test_unpacked_parts_make_the_packed_chunks_within_the_buffer_bound(num_buffe
     assert sent == sum(nbytes) and not held and peak[0] <= num_buffers
     expected = [torch.cat([tensors[i].view(torch.uint8) for i in chunk]) for chunk in plan_chunks(nbytes, 16)]
     assert len(chunks) == len(expected) and all(torch.equal(a, b) for a, b in zip(chunks, expected))
+
+
+@pytest.mark.parametrize("transport", ["pack buffer", "parts"])
+def test_packing_casts_to_the_wire_dtype_as_it_copies(transport):
+    """Tensors in another dtype than their wire dtype arrive as if cast first,
+    a non-contiguous one and one at an offset not aligned to the wire dtype
+    (after an odd-sized uint8 tensor) included; a transport of parts gets the
+    aligned contiguous ones as ``CastPart``s, to convert as it copies."""
+    torch.manual_seed(0)
+    tensors = [torch.arange(3, dtype=torch.uint8), torch.randn(5), torch.randn(4), torch.randn(3, 2).t(), torch.randn(7)]
+    wires = [torch.uint8, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32]
+    expected = [t.to(w).contiguous().view(-1).view(torch.uint8) for t, w in zip(tensors, wires)]
+    chunks, cast_parts = [], []
+
+    def as_bytes(part):
+        if isinstance(part, CastPart):
+            cast_parts.append(part)
+            return part.tensor.to(part.dtype).view(torch.uint8)
+        return part.view(torch.uint8)
+
+    def broadcast(buf):
+        chunks.append(buf.clone())
+
+    def broadcast_parts(parts):
+        chunks.append(torch.cat([as_bytes(p) for p in parts]))
+
+    sent = broadcast_packed(
+        iter(tensors), buffer_size_bytes=10, num_buffers=2, broadcast=broadcast, wait=lambda work: None,
+        capacity_hint=[64, 64], dtypes=wires, broadcast_parts=broadcast_parts if transport == "parts" else None,
+    )
+    nbytes = [e.numel() for e in expected]
+    want = [torch.cat([expected[i] for i in chunk]) for chunk in plan_chunks(nbytes, 10)]
+    assert sent == sum(nbytes)
+    assert len(chunks) == len(want) and all(torch.equal(a, b) for a, b in zip(chunks, want))
+    if transport == "parts":
+        # Chunks: [uint8, fp32 at offset 3], [fp32 at 0, transposed], [fp32 on an fp32 wire]. Only
+        # the aligned contiguous one goes as a CastPart; the others are converted first.
+        assert [p.tensor.numel() for p in cast_parts] == [4]
 
 
 # --------------------------------------------------------------------------- #
@@ -634,3 +673,26 @@ def test_zero_size_parameters_last_in_the_plan():
         engine.send_weights("with-empty")
         engine.shutdown()
         assert module_checksums(receiver.model) == module_checksums(trainer_model)
+
+
+def test_uncast_iteration_leaves_whole_parameters_to_the_transport():
+    """Engines iterate ``iter_uncast()``: whole parameters come in their own
+    dtype (the packing casts them), the checkpoint format and exclude apply
+    as in plain iteration, and a ``ModuleSource`` subclass with its own
+    ``__iter__`` is sent as it iterates, not bypassed."""
+
+    class Doubled(ModuleSource):
+        def __iter__(self):
+            for name, tensor in super().__iter__():
+                yield name, tensor * 2
+
+    model = torch.nn.Linear(2, 2)
+    sent = dict(Doubled(model, dtype=torch.bfloat16).iter_uncast())
+    assert all(t.dtype == torch.bfloat16 for t in sent.values())
+    assert torch.equal(sent["weight"], (model.weight.detach() * 2).to(torch.bfloat16))
+    moe = TINY_LMS["qwen3_moe"](seed=0)
+    source = ModuleSource(moe, dtype=torch.bfloat16, exclude=["lm_head.*"])
+    cast, uncast = list(source), list(source.iter_uncast())
+    assert [n for n, _ in uncast] == [n for n, _ in cast] == [m.name for m in source.metadata()]
+    assert {t.dtype for _, t in uncast} == {torch.float32}
+    assert all(torch.equal(u.to(torch.bfloat16), c) for (_, u), (_, c) in zip(uncast, cast))

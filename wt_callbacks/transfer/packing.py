@@ -17,20 +17,41 @@ The functions here are transport-agnostic: they take ``broadcast(tensor) ->
 work`` and ``wait(work)`` callables. A transport that can send several
 tensors as one message (``broadcast_parts(tensors) -> work``, the shared-
 memory ring) gets each chunk's tensors as they are instead: no pack copy.
+
+Casting to the wire dtype happens here too when the sender passes the wire
+dtype of every tensor (``dtypes``) and a tensor is in another floating-point
+dtype: it is converted as it is copied into the buffer, or handed to the
+transport as a ``CastPart`` that the transport converts as it copies it in.
+A cast into memory that is already mapped runs at the speed of a copy; a cast
+into a fresh temporary (``tensor.to(dtype)``) page-faults it in first and was
+5x slower on a CPU (0.23 s vs 0.04 s for 100M fp32 -> bf16).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from wt_callbacks.transfer.validation import check_positive
 
+
+class CastPart(NamedTuple):
+    """A part of a broadcast whose bytes are those of ``tensor`` converted to
+    ``dtype``: the transport casts as it copies (``tensor`` is contiguous)."""
+
+    tensor: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.dtype.itemsize
+
+
 Broadcast = Callable[[torch.Tensor], Any]
-BroadcastParts = Callable[[list[torch.Tensor]], Any]
+BroadcastParts = Callable[[list[torch.Tensor | CastPart]], Any]
 Wait = Callable[[Any], None]
 
 
@@ -62,6 +83,20 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
 
 
+def _wire_of(tensor: torch.Tensor, dtypes: Sequence[torch.dtype] | None, index: int) -> torch.dtype:
+    return tensor.dtype if dtypes is None else dtypes[index]
+
+
+def _copy_into(dst: torch.Tensor, tensor: torch.Tensor, wire: torch.dtype) -> None:
+    """Copy ``tensor`` into the uint8 slice ``dst`` as ``wire`` bytes, converting
+    in the same pass. A slice not aligned to ``wire`` (after a tensor of an odd
+    byte size) cannot be viewed as it: such a tensor is converted first."""
+    if dst.storage_offset() % wire.itemsize == 0:
+        dst.view(wire).view(tensor.shape).copy_(tensor)
+    else:
+        dst.copy_(_as_bytes(tensor.to(wire)))
+
+
 def broadcast_packed(
     tensors: Iterable[torch.Tensor],
     *,
@@ -73,6 +108,7 @@ def broadcast_packed(
     device: torch.device | str = "cpu",
     buffers: list[torch.Tensor] | None = None,
     broadcast_parts: BroadcastParts | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
 ) -> int:
     """Sender side: pack ``tensors`` into chunks and broadcast each one.
 
@@ -93,6 +129,10 @@ def broadcast_packed(
     ``broadcast_parts``: when given, each chunk goes out as the list of its
     tensors (same chunks, same bytes on the wire) and no buffer is used;
     see ``stream_parts``.
+
+    ``dtypes``: the wire dtype of every tensor, in order (``None``: each
+    tensor's own). A tensor in another dtype is converted as it is copied
+    into the buffer (or by the transport, see ``stream_parts``).
     """
     if num_buffers < 1:
         raise ValueError(f"packed_num_buffers must be >= 1, got {num_buffers}")
@@ -104,6 +144,7 @@ def broadcast_packed(
             broadcast_parts=broadcast_parts,
             wait=wait,
             device=device,
+            dtypes=dtypes,
         )
     capacities = list(capacity_hint) if capacity_hint else [buffer_size_bytes] * num_buffers
     cache: list[torch.Tensor] = buffers if buffers is not None else []
@@ -127,9 +168,9 @@ def broadcast_packed(
         sent += fill
         slot, fill = (slot + 1) % num_buffers, 0
 
-    for tensor in tensors:
-        data = _as_bytes(tensor)
-        n = data.numel()
+    for i, tensor in enumerate(tensors):
+        wire = _wire_of(tensor, dtypes, i)
+        n = tensor.numel() * wire.itemsize
         buf = current()
         if fill + n > buf.numel():
             # Only without a plan hint (the static older call style): grow the
@@ -137,9 +178,10 @@ def broadcast_packed(
             grown = torch.empty(fill + n, dtype=torch.uint8, device=device)
             grown[:fill].copy_(buf[:fill])
             buf = cache[slot] = grown
-        buf[fill : fill + n].copy_(data)
+        if n:
+            _copy_into(buf[fill : fill + n], tensor, wire)
         fill += n
-        del data, tensor
+        del tensor
         if fill > buffer_size_bytes:
             flush()
     if fill:
@@ -158,6 +200,7 @@ def stream_parts(
     broadcast_parts: BroadcastParts,
     wait: Wait,
     device: torch.device | str = "cpu",
+    dtypes: Sequence[torch.dtype] | None = None,
 ) -> int:
     """Sender side without packing: each chunk is broadcast as its tensors.
 
@@ -169,16 +212,28 @@ def stream_parts(
     They are read after they were yielded, hence the ``WeightSource``
     contract that a yielded tensor stays unchanged until the round ends.
     Tensors not on ``device`` (a GPU trainer sending through the host ring)
-    are copied there first. Returns the number of bytes sent.
+    are copied there first (in the wire dtype). A tensor on ``device`` in
+    another dtype than its wire dtype (``dtypes``) goes as a ``CastPart``:
+    the transport converts it as it copies it in, with no temporary. Returns
+    the number of bytes sent.
     """
     in_flight: deque[Any] = deque()
-    parts: list[torch.Tensor] = []
+    parts: list[torch.Tensor | CastPart] = []
     fill = sent = 0
-    for tensor in tensors:
-        data = _as_bytes(tensor.to(device))
-        parts.append(data)
-        fill += data.numel()
-        del data, tensor
+    for i, tensor in enumerate(tensors):
+        wire = _wire_of(tensor, dtypes, i)
+        part: torch.Tensor | CastPart
+        if tensor.dtype == wire:
+            part = _as_bytes(tensor.to(device))
+        elif tensor.device == torch.device(device) and tensor.is_contiguous() and fill % wire.itemsize == 0:
+            part = CastPart(tensor, wire)
+        else:
+            # Off the host, not contiguous, or at an offset not aligned to the
+            # wire dtype (after a tensor of an odd byte size): convert first.
+            part = _as_bytes(tensor.to(device=device, dtype=wire))
+        parts.append(part)
+        fill += part.nbytes if isinstance(part, CastPart) else part.numel()
+        del part, tensor
         if fill > buffer_size_bytes:
             in_flight.append(broadcast_parts(parts))
             sent += fill

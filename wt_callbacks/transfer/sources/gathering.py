@@ -33,6 +33,11 @@ class ParameterGather(ABC):
     scheme: str
     """Name in messages and metrics, e.g. ``"fsdp2"``."""
 
+    communicates: bool = True
+    """Whether ``gather()`` moves bytes between ranks, so that casting before
+    it saves them. Where it does not, ``ModuleSource.iter_uncast`` leaves
+    the cast to the transport's copy."""
+
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
 
@@ -61,6 +66,7 @@ class LocalParameters(ParameterGather):
     DeepSpeed ZeRO-1/2); FSDP2 ``DTensor`` s are ``fsdp2.FSDP2Shards``'."""
 
     scheme = "local"
+    communicates = False
 
     def parameters(self) -> list[ParamMeta]:
         return [ParamMeta(name, p.dtype, tuple(p.shape)) for name, p in self.module.named_parameters()]

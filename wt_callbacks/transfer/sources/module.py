@@ -133,9 +133,25 @@ class ModuleSource(WeightSource):
         return self._plan().metadata
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._sent(self._dtype)
+
+    def iter_uncast(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Cast before a gather that communicates; whole parameters go as they
+        are, for the transport to cast as it copies them (the checkpoint-format
+        conversions only move values, so converting before or after the cast
+        sends the same bytes).
+
+        A subclass that overrides ``__iter__`` is iterated as it says: its
+        own iteration is what it means to send.
+        """
+        if type(self).__iter__ is not ModuleSource.__iter__:
+            return iter(self)
+        return self._sent(self._dtype if self._gather.communicates else None)
+
+    def _sent(self, gather_dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         plan = self._plan()
         raw_to_name = {raw: checkpoint_name(raw) for raw in plan.gather_names}
-        gathered = ((raw_to_name[raw], t) for raw, t in self._gather.gather(plan.gather_names, self._dtype))
+        gathered = ((raw_to_name[raw], t) for raw, t in self._gather.gather(plan.gather_names, gather_dtype))
         yield from self._convert(plan, gathered)
 
     # -- the plan --------------------------------------------------------------

@@ -68,7 +68,9 @@ def _checked(items: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMeta]) 
     """Yield tensors, raising on the first disagreement with ``metadata()``.
 
     The receivers sized their buffers and chunk cuts from the metadata; a
-    tensor that differs would corrupt every tensor after it.
+    tensor that differs would corrupt every tensor after it. A floating-point
+    tensor may come in another floating-point dtype than its metadata's
+    (``WeightSource.iter_uncast``): the sending converts it.
     """
     i = -1
     for i, (name, tensor) in enumerate(items):
@@ -78,7 +80,8 @@ def _checked(items: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMeta]) 
                 f"first extra: {name!r}"
             )
         m = metas[i]
-        if name != m.name or tensor.dtype != m.dtype or tuple(tensor.shape) != m.shape:
+        dtype_ok = tensor.dtype == m.dtype or (tensor.is_floating_point() and m.dtype.is_floating_point)
+        if name != m.name or not dtype_ok or tuple(tensor.shape) != m.shape:
             raise ValueError(
                 f"the weight source disagrees with its metadata() at index {i}: metadata says "
                 f"{m.name!r} {dtype_name(m.dtype)} {list(m.shape)}, iteration yielded "
@@ -237,7 +240,9 @@ class TorchDistTrainerWeightTransferEngine(
             )
         start = time.perf_counter()
         metas = self.source.metadata()
-        items = _TimedIterator(self.source)
+        # The packing casts whole tensors into the wire dtype as it copies
+        # them; the ranks that do not send only iterate for the gathers.
+        items = _TimedIterator(self.source.iter_uncast())
         sent = 0
         try:
             if self.is_sender:
@@ -319,11 +324,12 @@ class TorchDistTrainerWeightTransferEngine(
                 # keeping them would pin memory the training step wants.
                 buffers=self._pack_buffers if self.config.reuse_buffers and group.device.type == "cpu" else None,
                 broadcast_parts=group.broadcast_parts,
+                dtypes=[m.dtype for m in metas],
             )
         else:
             sent = 0
-            for tensor in tensors:
-                tensor = tensor.to(group.device).contiguous()
+            for tensor, meta in zip(tensors, metas):
+                tensor = tensor.to(device=group.device, dtype=meta.dtype).contiguous()
                 wait(group.broadcast(tensor))
                 sent += tensor.numel() * tensor.element_size()
         try:
