@@ -1,4 +1,4 @@
-"""FSDP2 with 2 trainer ranks: gather + send, casting to bf16 before vs after the gather.
+"""FSDP2 with 2 trainer ranks: the gather, per parameter vs bucketed, against the raw all-gather.
 
 Run from the repository root::
 
@@ -12,29 +12,43 @@ What it measures: one ``torch_dist`` sync round of an FSDP2-sharded model
 from 2 trainer ranks (spawned processes, gloo default group, ``fully_shard``
 on every decoder layer and on the root, one torch thread each) into the
 reference receiver (a third process), over 127.0.0.1. Rank 1 only joins the
-all-gathers; rank 0 also packs and sends. Three sources, in one run:
+all-gathers; rank 0 also packs and sends. Sources, in one run:
 
-* ``bf16 cast-before-gather``: ``ModuleSource(model, dtype=torch.bfloat16)``,
-  the library's way: each local shard is cast, then all-gathered (half the
-  gather bytes).
+* ``bucketed``: ``ModuleSource``, the library's way: the local shards of a
+  bucket of parameters are cast (bf16 wire) and packed into one buffer and
+  gathered by one ``all_gather_into_tensor`` (``FSDP2Shards``).
+* ``per-parameter``: the baseline ``PerParameterGatherSource``: each local
+  shard cast, then ``DTensor.full_tensor()`` (what ``ModuleSource`` did
+  before).
 * ``bf16 gather-then-cast``: the baseline ``GatherThenCastSource``: the fp32
-  shard is all-gathered, then the full tensor is cast.
-* ``fp32``: ``ModuleSource(model)`` on an fp32 wire, for reference.
+  shard is gathered with ``full_tensor()``, then the full tensor is cast.
+
+each on an fp32 and (but gather-then-cast) a bf16 wire, and the ceiling:
+
+* ``raw all-gather``: ``all_gather_into_tensor`` of the same shards
+  (padded to equal size, as any all-gather needs), already packed, into
+  preallocated outputs, in buckets of the same size and, separately, one
+  call per tensor; in the wire dtype. Nothing but the collectives is timed.
 
 Each source has its own seeded, sharded model (a seed each, so a passing
 checksum proves that source's weights travelled). ``--rounds`` cycles each
 visit every source in turn: ``trainer_init`` on both ranks, one warm-up and
 one timed ``send_weights`` round, both ranks starting each round together
-(rank 0 decides). Interleaving makes a change in load on a shared machine hit
-all sources alike. After the last cycle's round of a source, its checksums
-are checked. Columns: median/min round seconds and median gather seconds
-(``engine.last_stats`` on rank 0; gather = time spent producing tensors:
-all-gathers and casts), bytes on the wire and all-gathered bytes per round,
-rank 1's median round, the CPU cores used by processes other than the two
-ranks, the receiver and this one (``CpuLoadMeter``), and the checksum verdict:
-the receiver's ``GET /weight_checksums`` against ``module_checksums`` of the
-gathered model rounded through the wire dtype. Also the ratios
-gather-then-cast / cast-before-gather of the round and gather medians.
+(rank 0 decides), then one timed pass over the source alone (both ranks
+iterate it, nothing is sent: the gather phase by itself); each cycle ends
+with the raw all-gathers. Interleaving makes a change in load on a shared
+machine hit all of them alike. After the last cycle's round of a source,
+its checksums are checked. Columns: median/min round seconds and median
+gather seconds (``engine.last_stats`` on rank 0; gather = time spent
+producing tensors: casts, packs and all-gathers), the median gather-only
+pass, bytes on the wire and all-gathered bytes per round, rank 1's median
+round, the CPU cores used by processes other than the two ranks, the
+receiver and this one (``CpuLoadMeter``), and the checksum verdict: the
+receiver's ``GET /weight_checksums`` against ``module_checksums`` of the
+gathered model rounded through the wire dtype. The ratios: each source's
+gather throughput (round and gather-only pass) against the raw bucketed
+all-gather's in the same dtype, bucketed over per-parameter, and
+gather-then-cast over cast-before-gather.
 
 Output: JSON (``--out``) and a markdown table on stdout; exit status 1 if a
 checksum differs. The model is ``wt_callbacks.demos.synthetic_llama``'s, as in
@@ -80,6 +94,7 @@ from wt_callbacks.transfer import (
     materialize_full_tensor,
 )
 from wt_callbacks.transfer.backends.torch_dist import DEFAULT_PACKED_BUFFER_SIZE_BYTES
+from wt_callbacks.transfer.sources.fsdp2 import DEFAULT_GATHER_BUCKET_BYTES
 
 from harness import GB, CpuLoadMeter, start_synthetic_receiver
 
@@ -88,14 +103,26 @@ LOOPBACK = "127.0.0.1"
 WORLD_SIZE = 2
 
 
-class GatherThenCastSource(ModuleSource):
-    """Baseline: all-gather each parameter in its own dtype, then cast the full tensor.
+class PerParameterGatherSource(ModuleSource):
+    """Baseline: cast each local shard, then ``DTensor.full_tensor()`` per parameter
+    (``ModuleSource`` before the bucketed gather).
 
     The engine calls ``with_wire_dtype(config.wire_dtype)``; the inherited
     ``ModuleSource.with_wire_dtype`` returns this object (same dtype) or a
-    ``copy.copy`` of it, so the baseline keeps this ``__iter__``. ``run_source``
+    ``copy.copy`` of it, so the baseline keeps this ``__iter__``. ``visit``
     checks that the engine's source is still of this type.
     """
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.module.named_parameters():
+            tensor = param.detach()
+            wire = self._wire(param.dtype)
+            yield name, materialize_full_tensor(tensor if tensor.dtype == wire else tensor.to(wire))
+
+
+class GatherThenCastSource(ModuleSource):
+    """Baseline: all-gather each parameter in its own dtype, then cast the full tensor
+    (kept as ``PerParameterGatherSource`` is)."""
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.module.named_parameters():
@@ -118,11 +145,15 @@ class Variant:
         return getattr(torch, self.wire) if self.wire else None
 
 
+BF16 = torch.bfloat16
 VARIANTS = (
-    Variant("bf16 cast-before-gather", "bfloat16", partial(ModuleSource, dtype=torch.bfloat16), torch.bfloat16),
-    Variant("bf16 gather-then-cast", "bfloat16", partial(GatherThenCastSource, dtype=torch.bfloat16), torch.float32),
-    Variant("fp32", None, ModuleSource, torch.float32),
+    Variant("fp32 bucketed", None, ModuleSource, torch.float32),
+    Variant("fp32 per-parameter", None, PerParameterGatherSource, torch.float32),
+    Variant("bf16 bucketed", "bfloat16", partial(ModuleSource, dtype=BF16), BF16),
+    Variant("bf16 per-parameter", "bfloat16", partial(PerParameterGatherSource, dtype=BF16), BF16),
+    Variant("bf16 gather-then-cast", "bfloat16", partial(GatherThenCastSource, dtype=BF16), torch.float32),
 )
+RAW_DTYPES = (torch.float32, BF16)
 
 
 @dataclass(frozen=True)
@@ -197,11 +228,48 @@ def visit(variant: Variant, model: torch.nn.Module, rank: int, args: RankArgs, m
             drive_rounds(engine, rank, 1, f"{variant.name} warm-up")
             with CpuLoadMeter(*meter_pids) as load:
                 (stats,) = drive_rounds(engine, rank, 1, variant.name)
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in engine.source:
+                    pass
+                pass_s = time.perf_counter() - start
         finally:
             engine.shutdown()
     finally:
         client.close()
-    return {**stats, "source": type(engine.source).__name__, "other_cpu_cores": load.other_cores}
+    return {**stats, "source": type(engine.source).__name__, "gather_pass_s": pass_s, "other_cpu_cores": load.other_cores}
+
+
+def raw_all_gather_seconds(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int | None) -> tuple[float, int]:
+    """Seconds of ``all_gather_into_tensor`` over the model's shards (cast to
+    ``dtype``, each padded to the largest rank's, packed beforehand) into
+    warm preallocated outputs, nothing else timed. ``bucket_bytes``: the
+    shards back to back, gathered in calls of that many full bytes (what
+    ``FSDP2Shards`` sends per call); ``None``: one call per tensor.
+    Returns the seconds and the bytes gathered."""
+    from wt_callbacks.transfer.sources.fsdp2 import _all_gather
+
+    world = dist.get_world_size()
+    shards = []
+    for param in model.parameters():
+        local = param.detach().to_local().to(dtype).reshape(-1)
+        rows = -(-param.shape[0] // world)
+        padded = torch.zeros(rows * (param.numel() // max(param.shape[0], 1)), dtype=dtype)
+        padded[: local.numel()].copy_(local)
+        shards.append(padded)
+    if bucket_bytes is None:
+        inputs = shards
+    else:
+        flat = torch.cat(shards)
+        inputs = list(flat.split(max(1, bucket_bytes // world // dtype.itemsize)))
+    outputs = [torch.empty(t.numel() * world, dtype=dtype) for t in inputs]
+    for out, inp in zip(outputs, inputs):  # warm: page the outputs in, as FSDP2Shards keeps its buffers
+        _all_gather(out, inp)
+    dist.barrier()
+    start = time.perf_counter()
+    for out, inp in zip(outputs, inputs):
+        _all_gather(out, inp)
+    return time.perf_counter() - start, sum(o.numel() for o in outputs) * dtype.itemsize
 
 
 def checksum_verdict(variant: Variant, model: torch.nn.Module, rank: int, args: RankArgs) -> dict[str, Any]:
@@ -229,6 +297,7 @@ def summary(variant: Variant, model: torch.nn.Module, rounds: list[list[dict[str
         "min_s": min(seconds),
         "median_gather_s": statistics.median(gathers),
         "min_gather_s": min(gathers),
+        "median_gather_pass_s": statistics.median(r["gather_pass_s"] for r in ours),
         "bytes": ours[-1]["bytes"],
         "gathered_bytes": sum(p.numel() for p in model.parameters()) * variant.gather_dtype.itemsize,
         "rank1_median_s": statistics.median(r["seconds"] for r in rank1),
@@ -264,12 +333,19 @@ def rank_main(rank: int, args: RankArgs) -> None:
         # A seed per source: a passing checksum proves that source's round reached the receiver.
         models = [sharded_model(shape, TRAINER_SEED + 1 + i, mesh) for i in range(len(VARIANTS))]
         stats: list[list[dict[str, Any]]] = [[] for _ in VARIANTS]
+        raw: dict[str, list[float]] = {}
+        raw_bytes: dict[str, int] = {}
         verdicts: list[dict[str, Any]] = []
         for cycle in range(args.rounds):
             for variant, model, timed in zip(VARIANTS, models, stats):
                 timed.append(visit(variant, model, rank, args, meter_pids))
                 if cycle == args.rounds - 1:
                     verdicts.append(checksum_verdict(variant, model, rank, args))
+            for dtype in RAW_DTYPES:
+                for layout, bucket in (("bucketed", DEFAULT_GATHER_BUCKET_BYTES), ("per-tensor", None)):
+                    key = f"{str(dtype).removeprefix('torch.')} {layout}"
+                    seconds, raw_bytes[key] = raw_all_gather_seconds(models[0], dtype, bucket)
+                    raw.setdefault(key, []).append(seconds)
         per_rank: list[Any] = [None] * WORLD_SIZE
         dist.all_gather_object(per_rank, stats)
         if rank == 0:
@@ -277,7 +353,11 @@ def rank_main(rank: int, args: RankArgs) -> None:
                 {**summary(v, m, [per_rank[r][i] for r in range(WORLD_SIZE)]), "checksum": verdict}
                 for i, (v, m, verdict) in enumerate(zip(VARIANTS, models, verdicts))
             ]
-            Path(args.rows_path).write_text(json.dumps(rows))
+            raw_rows = {
+                key: {"median_s": statistics.median(v), "min_s": min(v), "all_s": v, "bytes": raw_bytes[key]}
+                for key, v in raw.items()
+            }
+            Path(args.rows_path).write_text(json.dumps({"rows": rows, "raw_all_gather": raw_rows}))
     finally:
         leave_group_together()
 
@@ -311,8 +391,23 @@ def ratio(rows: list[dict[str, Any]], key: str, num: str, den: str) -> float:
     return by_name[num][key] / by_name[den][key]
 
 
+def gather_ratios(rows: list[dict[str, Any]], raw: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per source: gathered-bytes throughput of its round's gather and of its
+    gather-only pass, as a fraction of the raw bucketed all-gather's in the
+    dtype it gathers (medians of the same run)."""
+    out = {}
+    for r in rows:
+        ceiling = raw[f"{r['gather_dtype']} bucketed"]
+        raw_rate = ceiling["bytes"] / ceiling["median_s"]
+        out[r["name"]] = {
+            "round_gather_vs_raw": r["gathered_bytes"] / r["median_gather_s"] / raw_rate,
+            "gather_pass_vs_raw": r["gathered_bytes"] / r["median_gather_pass_s"] / raw_rate,
+        }
+    return out
+
+
 def markdown_table(result: dict[str, Any]) -> str:
-    """One row per source, then the gather-then-cast / cast-before-gather ratios."""
+    """One row per source, the raw all-gathers, then the ratios."""
     m = result["model"]
     lines = [
         f"FSDP2, {WORLD_SIZE} ranks, synthetic Llama fp32: {m['params'] / 1e6:.1f}M params (hidden {m['hidden']}, "
@@ -320,21 +415,31 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"interleaved, each after its own trainer_init and warm-up round; {result['torch_threads']} torch thread(s) per process; load average "
         f"{result['machine']['loadavg_before'][0]:.2f} before, {result['machine']['loadavg_after'][0]:.2f} after.",
         "",
-        "| source | wire MB | gathered MB | median s | min s | wire GB/s | median gather s | min gather s "
-        "| rank 1 median s | checksum | other load (cores) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| source | wire MB | gathered MB | median s | min s | wire GB/s | median gather s | gather vs raw "
+        "| gather-only pass s | pass vs raw | rank 1 median s | checksum | other load (cores) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
+    q = result["ratios"]
     for r in result["rows"]:
+        g = q["vs_raw_all_gather"][r["name"]]
         lines.append(
             f"| {r['name']} | {r['bytes'] / 1e6:.0f} | {r['gathered_bytes'] / 1e6:.0f} | {r['median_s']:.3f} | "
             f"{r['min_s']:.3f} | {r['bytes'] / r['median_s'] / GB:.2f} | {r['median_gather_s']:.3f} | "
-            f"{r['min_gather_s']:.3f} | {r['rank1_median_s']:.3f} | "
-            f"{'pass' if r['checksum']['passed'] else 'FAIL'} | {r['other_cpu_cores']:.2f} |"
+            f"{g['round_gather_vs_raw']:.0%} | {r['median_gather_pass_s']:.3f} | {g['gather_pass_vs_raw']:.0%} | "
+            f"{r['rank1_median_s']:.3f} | {'pass' if r['checksum']['passed'] else 'FAIL'} | {r['other_cpu_cores']:.2f} |"
         )
-    q = result["ratios"]
+    lines += ["", "| raw all_gather_into_tensor | MB | median s | min s | GB/s |", "|---|---:|---:|---:|---:|"]
+    for key, raw in result["raw_all_gather"].items():
+        lines.append(
+            f"| {key} | {raw['bytes'] / 1e6:.0f} | {raw['median_s']:.3f} | {raw['min_s']:.3f} | "
+            f"{raw['bytes'] / raw['median_s'] / GB:.2f} |"
+        )
     lines += [
         "",
-        f"gather-then-cast / cast-before-gather: round {q['round_gather_then_cast_over_cast_before_gather']:.2f}x, "
+        f"bucketed / per-parameter gather speed: fp32 {q['gather_per_parameter_over_bucketed']['fp32']:.2f}x, "
+        f"bf16 {q['gather_per_parameter_over_bucketed']['bf16']:.2f}x (round "
+        f"{q['round_per_parameter_over_bucketed']['fp32']:.2f}x, {q['round_per_parameter_over_bucketed']['bf16']:.2f}x); "
+        f"gather-then-cast / cast-before-gather (bucketed): round {q['round_gather_then_cast_over_cast_before_gather']:.2f}x, "
         f"gather {q['gather_gather_then_cast_over_cast_before_gather']:.2f}x",
     ]
     return "\n".join(lines)
@@ -386,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
             except BaseException:
                 print(f"receiver log:\n{receiver.log[-3000:]}", file=sys.stderr)
                 raise
-        rows = json.loads(Path(rank_args.rows_path).read_text())
+        measured = json.loads(Path(rank_args.rows_path).read_text())
+    rows, raw = measured["rows"], measured["raw_all_gather"]
 
     result = {
         "machine": {
@@ -407,13 +513,22 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "torch_threads": args.torch_threads,
         "packed_buffer_size_bytes": DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        "gather_bucket_bytes": DEFAULT_GATHER_BUCKET_BYTES,
         "rows": rows,
+        "raw_all_gather": raw,
         "ratios": {
+            "vs_raw_all_gather": gather_ratios(rows, raw),
+            "gather_per_parameter_over_bucketed": {
+                w: ratio(rows, "median_gather_s", f"{w} per-parameter", f"{w} bucketed") for w in ("fp32", "bf16")
+            },
+            "round_per_parameter_over_bucketed": {
+                w: ratio(rows, "median_s", f"{w} per-parameter", f"{w} bucketed") for w in ("fp32", "bf16")
+            },
             "round_gather_then_cast_over_cast_before_gather": ratio(
-                rows, "median_s", "bf16 gather-then-cast", "bf16 cast-before-gather"
+                rows, "median_s", "bf16 gather-then-cast", "bf16 bucketed"
             ),
             "gather_gather_then_cast_over_cast_before_gather": ratio(
-                rows, "median_gather_s", "bf16 gather-then-cast", "bf16 cast-before-gather"
+                rows, "median_gather_s", "bf16 gather-then-cast", "bf16 bucketed"
             ),
         },
     }
