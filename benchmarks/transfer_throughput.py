@@ -140,12 +140,38 @@ def measure_tcp_ceiling(total_bytes: int, block_bytes: int, trials: int, timeout
     }
 
 
+def cast_in_source(model: nn.Module) -> Any:
+    """Baseline source: every plain parameter is cast into a fresh tensor
+    before the transport copies it, as ``ModuleSource`` did before the
+    packing learnt to cast as it copies (``WeightSource.iter_uncast``)."""
+    from wt_callbacks.transfer import ModuleSource
+
+    class CastInSource(ModuleSource):
+        def iter_uncast(self) -> Any:
+            for name, tensor in super().iter_uncast():
+                wire = self._wire(tensor.dtype)
+                yield name, tensor if tensor.dtype == wire else tensor.to(wire)
+
+    return CastInSource(model)
+
+
+def module_source(model: nn.Module) -> Any:
+    from wt_callbacks.transfer import ModuleSource
+
+    return ModuleSource(model)
+
+
+SOURCES = {"": module_source, "cast-in-source": cast_in_source}
+"""Source of a configuration by its name suffix: the library's ``ModuleSource``, or a baseline."""
+
+
 @dataclass(frozen=True)
 class Setup:
-    """One measured configuration: a name and the trainer config dict."""
+    """One measured configuration: a name, the trainer config dict and the source (a ``SOURCES`` key)."""
 
     name: str
     config: dict[str, Any]
+    source: str = ""
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -190,7 +216,22 @@ def sync_configs(timeout_s: float) -> list[Setup]:
             Setup(f"packed 64MiB x2 {wire} {transport}", {**default, "transport": transport, "dtype": DTYPES[wire], "timeout_s": timeout_s})
             for wire in ("fp32", "bf16")
         ]
+    # The bf16 wire with the cast where it was before (a temporary per tensor):
+    # the before/after of casting as the packing copies.
+    setups += [
+        Setup(f"packed 64MiB x2 bf16 {transport} cast-in-source",
+              {**default, "transport": transport, "dtype": "bfloat16", "timeout_s": timeout_s}, "cast-in-source")
+        for transport in transports()
+    ]  # fmt: skip
     return sorted(setups, key=lambda setup: setup.name != default_config(transports()[-1]))
+
+
+def selected_configs(timeout_s: float, patterns: str) -> list[Setup]:
+    """``sync_configs`` whose name contains one of the comma-separated ``patterns``
+    (all when empty); the default layout's rows always, the summary needs them."""
+    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
+    defaults = {default_config(t) for t in transports()}
+    return [s for s in sync_configs(timeout_s) if not wanted or s.name in defaults or any(w in s.name for w in wanted)]
 
 
 def default_config(transport: str) -> str:
@@ -212,16 +253,16 @@ def rss_bound(model: nn.Module, sync: Setup) -> int:
 def run_config(
     model: nn.Module, receiver: ReceiverProcess, sync: Setup, *, rounds: int, seed: int, timeout_s: float
 ) -> dict[str, Any]:
-    """Warm-up, ``rounds`` timed rounds, one RSS-sampled round, then the checksum check."""
+    """Warm-up (RSS-sampled), ``rounds`` timed rounds, then the checksum check: one visit of ``sync``."""
     from wt_callbacks.checksums import module_checksums
-    from wt_callbacks.transfer import ModuleSource, WeightTransferTrainerFactory
+    from wt_callbacks.transfer import WeightTransferTrainerFactory
 
     reseed(model, seed)
     client = TimedClient(receiver.url, timeout=timeout_s)
     init_info = {"master_address": LOOPBACK, "master_port": 0, "rank": 0}
     try:
         engine = WeightTransferTrainerFactory.trainer_init(
-            "torch_dist", sync.config, init_info, client=client, source=ModuleSource(model)
+            "torch_dist", sync.config, init_info, client=client, source=SOURCES[sync.source](model)
         )
         try:
             # The first round is the warm-up, RSS-sampled: it allocates the
@@ -242,14 +283,30 @@ def run_config(
     got = receiver.checksums(timeout_s)
     mismatched = sorted(name for name in expected if got.get(name) != expected[name])
     mismatched += sorted(set(got) - set(expected))
+    return {
+        "rounds": timed,
+        "other_cpu_cores": load.other_cores,
+        "rss": {"baseline_bytes": rss.baseline, "peak_extra_bytes": rss.extra, "samples": rss.samples,
+                "round_seconds": rss_round_s},  # fmt: skip
+        "checksum": {"passed": not mismatched, "mismatched": len(mismatched), "first_mismatched": mismatched[:5]},
+    }
+
+
+def summarize_config(model: nn.Module, sync: Setup, visits: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's row from its visits (``run_config`` results, one per cycle)."""
+    timed = [r for v in visits for r in v["rounds"]]
     seconds = [r["seconds"] for r in timed]
     sent = timed[-1]["bytes"]
     bound = rss_bound(model, sync)
+    worst_rss = max(visits, key=lambda v: v["rss"]["peak_extra_bytes"])["rss"]
+    failed = [v["checksum"] for v in visits if not v["checksum"]["passed"]]
     return {
         "name": sync.name,
         "config": sync.config,
+        "source": sync.source or "ModuleSource",
         "bytes": sent,
         "tensors": timed[-1]["tensors"],
+        "visits": len(visits),
         "rounds": timed,
         "median_s": statistics.median(seconds),
         "min_s": min(seconds),
@@ -260,16 +317,9 @@ def run_config(
             call: statistics.median(r[f"{call}_s"] for r in timed)
             for call in ("start_weight_update", "update_weights", "finish_weight_update")
         },
-        "other_cpu_cores": load.other_cores,
-        "rss": {
-            "baseline_bytes": rss.baseline,
-            "peak_extra_bytes": rss.extra,
-            "bound_bytes": bound,
-            "ratio_to_bound": rss.extra / bound,
-            "samples": rss.samples,
-            "round_seconds": rss_round_s,
-        },
-        "checksum": {"passed": not mismatched, "mismatched": len(mismatched), "first_mismatched": mismatched[:5]},
+        "other_cpu_cores": statistics.fmean(v["other_cpu_cores"] for v in visits),
+        "rss": {**worst_rss, "bound_bytes": bound, "ratio_to_bound": worst_rss["peak_extra_bytes"] / bound},
+        "checksum": failed[0] if failed else visits[-1]["checksum"],
     }
 
 
@@ -390,17 +440,23 @@ def run_size(params_text: str, args: argparse.Namespace, tcp_gbps: float) -> dic
     model = build_model(shape, TRAINER_SEED)
     params = list(model.parameters())
     print(f"\nmodel {params_text}: {sum(p.numel() for p in params) / 1e6:.1f}M params, {len(params)} tensors, {shape}", flush=True)
-    configs = []
+    setups = selected_configs(args.timeout, args.configs)
+    visits: list[list[dict[str, Any]]] = [[] for _ in setups]
     with start_synthetic_receiver(params_text, torch_threads=args.torch_threads, timeout_s=args.timeout) as receiver:
         print(f"receiver (pid {receiver.proc.pid}) on {receiver.url}", flush=True)
-        for i, sync in enumerate(sync_configs(args.timeout)):
-            row = run_config(model, receiver, sync, rounds=args.rounds, seed=TRAINER_SEED + 1 + i, timeout_s=args.timeout)
-            configs.append(row)
-            print(
-                f"  {sync.name}: median {row['median_s']:.3f} s, {row['gbps_median']:.2f} GB/s, "
-                f"RSS {row['rss']['ratio_to_bound']:.2f} x bound, checksum {'pass' if row['checksum']['passed'] else 'FAIL'}",
-                flush=True,
-            )
+        # Cycles interleave the configurations, so a change of load on a shared
+        # machine hits all of them alike.
+        for cycle in range(args.cycles):
+            for i, sync in enumerate(setups):
+                visit = run_config(model, receiver, sync, rounds=args.rounds, seed=TRAINER_SEED + 1 + i, timeout_s=args.timeout)
+                visits[i].append(visit)
+                seconds = [r["seconds"] for r in visit["rounds"]]
+                print(
+                    f"  [{cycle}] {sync.name}: median {statistics.median(seconds):.3f} s, other load "
+                    f"{visit['other_cpu_cores']:.2f}, checksum {'pass' if visit['checksum']['passed'] else 'FAIL'}",
+                    flush=True,
+                )
+        configs = [summarize_config(model, sync, v) for sync, v in zip(setups, visits)]
         per_parameter = run_per_parameter(model, receiver, rounds=args.rounds, timeout_s=args.timeout)
         print(f"  per-parameter calls: median {per_parameter['median_s']:.3f} s", flush=True)
         disk = run_disk(model, receiver, rounds=args.rounds, timeout_s=args.timeout, directory=args.disk_dir)
@@ -480,17 +536,52 @@ def summary_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def bf16_rows(size: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per transport: the bf16 wire's time as a fraction of the fp32 wire's
+    (default layout, same run), cast as the packing copies and cast in the source."""
+    rows = {c["name"]: c for c in size["configs"]}
+    out = []
+    for transport in transports():
+        fp32 = rows[default_config(transport)]
+        for label, name in (("cast while packing", f"packed 64MiB x2 bf16 {transport}"),
+                            ("cast in the source", f"packed 64MiB x2 bf16 {transport} cast-in-source")):  # fmt: skip
+            if name in rows:
+                bf16 = rows[name]
+                out.append({
+                    "transport": transport, "cast": label, "bf16_s": bf16["median_s"], "fp32_s": fp32["median_s"],
+                    "ratio": bf16["median_s"] / fp32["median_s"], "rss_ratio_to_bound": bf16["rss"]["ratio_to_bound"],
+                    "other_cpu_cores": bf16["other_cpu_cores"],
+                })  # fmt: skip
+    return out
+
+
+def bf16_table(result: dict[str, Any]) -> str:
+    lines = [
+        "| params | transport | bf16 cast | bf16 s | fp32 s | bf16 / fp32 | bf16 RSS/bound | other load |",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for size in result["sizes"]:
+        for r in bf16_rows(size):
+            lines.append(
+                f"| {size['model']['params'] / 1e6:.0f}M | {r['transport']} | {r['cast']} | {r['bf16_s']:.3f} | "
+                f"{r['fp32_s']:.3f} | {r['ratio']:.2f} | {r['rss_ratio_to_bound']:.2f} | {r['other_cpu_cores']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
 def markdown_report(result: dict[str, Any]) -> str:
     tcp, memcpy = result["tcp_ceiling"], result["memcpy"]
     head = (
         f"Trainer -> reference receiver process over 127.0.0.1, synthetic Llama fp32 models; "
-        f"{result['rounds']} timed rounds after 1 warm-up; {result['torch_threads']} torch thread(s) per process; "
+        f"{result['cycles']} interleaved visit(s) of each configuration, each {result['rounds']} timed rounds after "
+        f"trainer_init and 1 warm-up; {result['torch_threads']} torch thread(s) per process; "
         f"{result['machine']['cpus']} CPUs. Ceilings measured in the same run: raw loopback TCP "
         f"{tcp['gbps']:.2f} GB/s ({tcp['bytes'] / 1e6:.0f} MB, best of 3), memcpy {memcpy['gbps']:.2f} GB/s (one core). "
         f"GB = 10^9 bytes; GB/s counts the bytes on the wire (a bf16 wire carries half); "
         f"`other load` = CPU cores used by other processes meanwhile (comparable only near 0).\n"
     )
-    parts = [head, "### Summary", "", summary_table(result), ""]
+    parts = [head, "### Summary", "", summary_table(result), "", "### bf16 wire from an fp32 model", "",
+             bf16_table(result), ""]  # fmt: skip
     for size in result["sizes"]:
         parts += [size_table(size), ""]
     return "\n".join(parts)
@@ -536,7 +627,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--params", default="50M,200M,500M", help="comma-separated model sizes, e.g. 50M,200M,500M (default) or 2M"
     )
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration and cycle (default 5)")
+    parser.add_argument(
+        "--cycles", type=int, default=1,
+        help="visits of every configuration, interleaved (default 1); each visit: trainer_init, warm-up, --rounds",
+    )  # fmt: skip
+    parser.add_argument(
+        "--configs", default="", help="comma-separated substrings: run only the configurations whose name has one "
+        "(the default layout's always run), e.g. 'shm' or 'bf16'",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks/results/transfer.json")
     parser.add_argument("--tcp-bytes", default="1G", help="bytes per raw-TCP trial (default 1G = 10^9)")
     parser.add_argument("--timeout", type=float, default=120.0, help="bound in seconds on every wait")
@@ -549,8 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         "this machine, and oversubscribed OpenMP copies stall; 0 keeps torch's default)",
     )
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be >= 1")
+    if args.rounds < 1 or args.cycles < 1:
+        parser.error("--rounds and --cycles must be >= 1")
     sizes_text = [text.strip() for text in args.params.split(",") if text.strip()]
     try:
         for text in sizes_text:
@@ -575,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_1min_at_end": os.getloadavg()[0],
         },
         "rounds": args.rounds,
+        "cycles": args.cycles,
         "torch_threads": torch.get_num_threads(),
         "tcp_ceiling": tcp,
         "memcpy": memcpy,

@@ -23,6 +23,8 @@ def test_transfer_throughput_smoke(tmp_path):
     (size,) = json.loads(out.read_text())["sizes"]
     assert size["configs"][0]["name"] == "packed 64MiB x2 fp32 shm"
     assert {"per_parameter", "disk"} <= set(size)
+    names = {c["name"] for c in size["configs"]}
+    assert {"packed 64MiB x2 bf16 shm", "packed 64MiB x2 bf16 shm cast-in-source"} <= names
     assert out.with_suffix(".md").read_text().startswith("Trainer -> reference receiver")
     assert out.with_suffix(".png").stat().st_size > 0
 
