@@ -47,13 +47,15 @@ def register() -> None:
     also call this by hand, and vLLM's factory raises on a duplicate name.
     Cheap: it imports vLLM's factory only; the engine class is resolved
     lazily by the worker that builds it. In the engine core it also makes
-    ``update_weights`` calls wait without spinning (``vllm_cpu_tuning``).
+    ``update_weights`` calls wait without spinning, and in a worker it finds
+    the RPC queue whose spin an update session quiets (``vllm_cpu_tuning``).
     """
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, ENGINE_CLASS_NAME)
     vllm_cpu_tuning.poll_during_updates(BACKEND)
+    vllm_cpu_tuning.find_worker_queue()
 
 
 def __getattr__(name: str) -> Any:
@@ -111,6 +113,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             vllm_cpu_tuning.keep_freed_host_memory(device)
             self._guard = ReloadGuard(model, device, str(self.model_config.model))
             self._reload_begun = False
+            self._polls = vllm_cpu_tuning.WorkerPolls()
 
         def start_weight_update(self) -> None:
             # Layerwise reload turns every layer into meta tensors until its
@@ -119,6 +122,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             # frozen) would leave a server that crashes on its next request;
             # it begins with the round's first update instead.
             self._reload_begun = False
+            self._polls.enter()
 
         def _begin_reload(self) -> None:
             if not self._reload_begun:
@@ -127,6 +131,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 self._reload_begun = True
 
         def finish_weight_update(self) -> None:
+            self._polls.exit()
             if not self._guard.round_open:
                 # No update arrived (the weights were never touched), or the
                 # clean-up finish a trainer sends after a failed round: vLLM
@@ -187,6 +192,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
 
         def _abandon_reload(self) -> None:
             """Undo layerwise reload for the layers this round did not complete."""
+            self._polls.exit()
             processed = self._guard.processed_layers()
             for layer in self.model.modules():
                 info = get_layerwise_info(layer)

@@ -260,7 +260,7 @@ def test_cpu_tuning_finds_vllm_internals_and_applies(vllm_python: Path, server: 
     import json
     import subprocess
 
-    from wt_callbacks.integrations.vllm_cpu_tuning import KEEP_MEMORY, POLLING
+    from wt_callbacks.integrations.vllm_cpu_tuning import KEEP_MEMORY, POLLING, WORKER_POLLING
 
     probe = subprocess.run(
         [str(vllm_python), "-c", "import json; from wt_callbacks.integrations.vllm_cpu_tuning import "
@@ -273,8 +273,8 @@ def test_cpu_tuning_finds_vllm_internals_and_applies(vllm_python: Path, server: 
     with trainer_engine(server, trainer_model) as (engine, _):
         engine.send_weights("tuning-check")
     # Each process that applies one says so once: the worker at model load,
-    # the engine core at its first update.
-    expected = [f"{POLLING}: applied", f"{KEEP_MEMORY}: applied"]
+    # the engine core at its first update, the worker at its first start.
+    expected = [f"{POLLING}: applied", f"{KEEP_MEMORY}: applied", f"{WORKER_POLLING}: applied"]
     deadline = time.monotonic() + 10
     while not all(e in server.log for e in expected) and time.monotonic() < deadline:
         time.sleep(0.1)
