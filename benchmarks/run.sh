@@ -11,6 +11,7 @@ OUT=benchmarks/results
 mkdir -p "$OUT"
 "$PY" benchmarks/transfer_throughput.py --out "$OUT/transfer.json"
 "$PY" benchmarks/fsdp2_gather.py --out "$OUT/fsdp2_gather.json"
+"$PY" benchmarks/fsdp2_gather.py --params 200M --out "$OUT/fsdp2_gather_200M.json"
 "$PY" benchmarks/sharded_sync.py --out "$OUT/sharded_sync.json"
 "$PY" benchmarks/callback_overhead.py --repeats 7 --out "$OUT/callback_overhead.json"
 "$PY" benchmarks/checkpoint_format_cost.py --out "$OUT/checkpoint_format.json"

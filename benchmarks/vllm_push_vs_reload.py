@@ -6,12 +6,12 @@ Run from the repository root with the project venv, after
     WT_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/vllm_push_vs_reload.py \\
         --out benchmarks/results/vllm_push_vs_reload.json --md benchmarks/results/vllm_push_vs_reload.md
 
-For each model size (``toy``: the toy task's 2-layer Llama; ``llama-74M``: a
-Llama built offline from a ``LlamaConfig``, hidden 512, 12 layers, vocab
-32000, 74M parameters) it starts a vLLM server (fp32, our ``torch_dist``
-plugin) on a checkpoint the trainer also loads. Then, for one warm-up round
-and ``--rounds`` timed rounds, it changes the trainer's weights before each
-sync and syncs them into the server by:
+For each model size (``toy``: the toy task's 2-layer Llama; ``llama-74M`` and
+``llama-296M``: Llamas built offline from a ``LlamaConfig``, hidden 512 / 1024,
+12 / 18 layers, vocab 32000) it starts a vLLM server (fp32, our
+``torch_dist`` plugin) on a checkpoint the trainer also loads. Then, for one
+warm-up round and ``--rounds`` timed rounds, it changes the trainer's weights
+before each sync and syncs them into the server by:
 
 * **push**, for each ``--push-configs`` entry in turn (default: the shipped
   defaults and ``packed=False``): one ``trainer_init`` (timed apart), then
@@ -22,6 +22,9 @@ sync and syncs them into the server by:
 * **reload**, what a user of vLLM 0.32 would do otherwise: ``save_pretrained``
   (safetensors) into a directory, then ``POST /collective_rpc {"method":
   "reload_weights", "kwargs": {"weights_path": DIR}}``. Timed as save + RPC.
+  A reload round follows every push round (new weights again), so both see
+  the same load on a shared machine; the RPC alone is what a push must beat
+  once the checkpoint is written.
 
 Neither pauses generation (the server is idle). The reload reads a file this
 machine just wrote, so it comes from the page cache: across machines it would
@@ -31,8 +34,10 @@ path is known to deliver the weights. The average CPU cores used by other
 processes during the rounds is reported: on a shared machine timings are
 comparable only when it is near 0.
 
-Output: JSON (``--out``) and a markdown table (stdout, and ``--md``). The ratio
-is median reload seconds / median push seconds (> 1: the push is faster).
+Output: JSON (``--out``) and a markdown table (stdout, and ``--md``). The ratios
+are median reload seconds / median push seconds (> 1: the push is faster), and
+median push seconds / median reload RPC seconds of the rounds interleaved with
+that push config (< 1: the push beats even a reload of a written checkpoint).
 Needs ``WT_VLLM_PYTHON`` (exit status 2 without it); exit status 1 when a
 path's logprobs differ by more than ``LOGPROB_TOLERANCE``.
 """
@@ -60,7 +65,12 @@ from wt_callbacks.transfer import ModuleSource, WeightTransferTrainerFactory
 
 from harness import CpuLoadMeter, TimedClient, server_pids
 
-SIZES = ("toy", "llama-74M")
+SIZES = ("toy", "llama-74M", "llama-296M")
+LLAMA_SHAPES = {
+    "llama-74M": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 8},
+    "llama-296M": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 18, "num_attention_heads": 16},
+}
+"""Llamas built offline (vocab 32000, head_dim 64, untied embeddings)."""
 PROMPT_WORDS = "a b c d |"
 LOGPROB_TOLERANCE = 1e-3
 """Max |logprob difference| between the server and the trainer's model after a
@@ -80,19 +90,17 @@ def build_model_dir(size: str, directory: Path) -> Path:
     """Write a model vLLM can serve; every size uses the toy tokenizer (offline)."""
     if size == "toy":
         return toy_task.save_pretrained(directory)
-    if size != "llama-74M":
+    if size not in LLAMA_SHAPES:
         raise ValueError(f"--sizes: unknown size {size!r}; choose from {SIZES}")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = toy_task.build_tokenizer()
     torch.manual_seed(0)
+    shape = LLAMA_SHAPES[size]
     config = LlamaConfig(
         vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=12,
-        num_attention_heads=8,
-        num_key_value_heads=8,
+        **shape,
+        num_key_value_heads=shape["num_attention_heads"],
         head_dim=64,
         max_position_embeddings=256,
         tie_word_embeddings=False,
@@ -166,7 +174,7 @@ def bench_size(
         answer[0].raise_for_status()
         return save_s, rpc_s
 
-    pushes: dict[str, dict[str, Any]] = {name: {"send": [], "calls": []} for name in push_configs}
+    pushes: dict[str, dict[str, Any]] = {name: {"send": [], "calls": [], "rpc": []} for name in push_configs}
     save_s: list[float] = []
     rpc_s: list[float] = []
     diffs: dict[str, float] = {}
@@ -176,7 +184,9 @@ def bench_size(
             # One engine per config for all its rounds, as a trainer keeps
             # one: its buffers and the server's are reused from round to
             # round. The server holds one group at a time, so the configs
-            # take turns rather than alternating every round.
+            # take turns rather than alternating every round; a reload round
+            # follows every push round, so a change of load on a shared
+            # machine hits both alike (the group stays idle meanwhile).
             for name, config in push_configs.items():
                 engine, pushes[name]["init"] = init(config)
                 try:
@@ -186,25 +196,30 @@ def bench_size(
                         start = time.perf_counter()
                         engine.send_weights(f"{name}-{r}")
                         send = time.perf_counter() - start
+                        seed += 1
+                        perturb(model, seed)
+                        t_save, t_rpc = reload()
                         if r:
                             pushes[name]["send"].append(send)
                             pushes[name]["calls"].append(dict(client.call_seconds))
-                        print(f"[{size}] push[{name}] round {r}{'' if r else ' (warm-up)'}: {send:.3f} s", flush=True)
+                            pushes[name]["rpc"].append(t_rpc)
+                            save_s.append(t_save)
+                            rpc_s.append(t_rpc)
+                        print(
+                            f"[{size}] push[{name}] round {r}{'' if r else ' (warm-up)'}: {send:.3f} s; "
+                            f"reload: save {t_save:.3f} + rpc {t_rpc:.3f} s",
+                            flush=True,
+                        )
+                    # The last round was a reload: push once more so the check sees this path's weights.
+                    seed += 1
+                    perturb(model, seed)
+                    engine.send_weights(f"{name}-check")
+                    diffs[name] = max_logprob_diff(server, model, [prompt])
                 finally:
                     engine.shutdown()
-                diffs[name] = max_logprob_diff(server, model, [prompt])
-            for r in range(rounds + 1):
-                seed += 1
-                perturb(model, seed)
-                t_save, t_rpc = reload()
-                if r:
-                    save_s.append(t_save)
-                    rpc_s.append(t_rpc)
-                print(
-                    f"[{size}] reload round {r}{'' if r else ' (warm-up)'}: {t_save + t_rpc:.3f} s "
-                    f"(save {t_save:.3f} + rpc {t_rpc:.3f})",
-                    flush=True,
-                )
+            seed += 1
+            perturb(model, seed)
+            reload()
             diffs["reload"] = max_logprob_diff(server, model, [prompt])
     finally:
         client.close()
@@ -223,6 +238,9 @@ def bench_size(
                 "trainer_init_s": p["init"],
                 "call_s": {k: statistics.median(c[k] for c in p["calls"]) for k in p["calls"][0]},
                 "ratio_reload_over_push": statistics.median(reload_s) / statistics.median(p["send"]),
+                "reload_rpc_s": summary(p["rpc"]),
+                # The target: the push against the reload RPC alone (checkpoint already written), rounds interleaved.
+                "ratio_push_over_reload_rpc": statistics.median(p["send"]) / statistics.median(p["rpc"]),
                 "max_logprob_diff": diffs[name],
             }
             for name, p in pushes.items()
@@ -241,8 +259,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | params | push config | push s (median / min) | push: start + update + finish s "
         "| reload s (median / min) | reload: save + rpc s | reload / push "
+        "| reload rpc s, interleaved (median) | push / reload rpc "
         "| logprob diff push / reload | other load (cores) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         reload = r["reload"]
@@ -256,6 +275,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f"| {reload['total_s']['median']:.3f} / {reload['total_s']['min']:.3f} "
                 f"| {reload['save_s']['median']:.3f} + {reload['rpc_s']['median']:.3f} "
                 f"| {p['ratio_reload_over_push']:.2f}x "
+                f"| {p['reload_rpc_s']['median']:.3f} | {p['ratio_push_over_reload_rpc']:.2f} "
                 f"| {p['max_logprob_diff']:.1g} / {reload['max_logprob_diff']:.1g} "
                 f"| {r['other_cpu_cores']:.2f} |"
             )
