@@ -678,7 +678,7 @@ def test_zero_size_parameters_last_in_the_plan():
 def test_uncast_iteration_leaves_whole_parameters_to_the_transport():
     """Engines iterate ``iter_uncast()``: whole parameters come in their own
     dtype (the packing casts them), the checkpoint format and exclude apply
-    as in plain iteration, and a ``ModuleSource`` subclass with its own
+    as in plain iteration (every tiny transformers family), and a ``ModuleSource`` subclass with its own
     ``__iter__`` is sent as it iterates, not bypassed."""
 
     class Doubled(ModuleSource):
@@ -690,9 +690,9 @@ def test_uncast_iteration_leaves_whole_parameters_to_the_transport():
     sent = dict(Doubled(model, dtype=torch.bfloat16).iter_uncast())
     assert all(t.dtype == torch.bfloat16 for t in sent.values())
     assert torch.equal(sent["weight"], (model.weight.detach() * 2).to(torch.bfloat16))
-    moe = TINY_LMS["qwen3_moe"](seed=0)
-    source = ModuleSource(moe, dtype=torch.bfloat16, exclude=["lm_head.*"])
-    cast, uncast = list(source), list(source.iter_uncast())
-    assert [n for n, _ in uncast] == [n for n, _ in cast] == [m.name for m in source.metadata()]
-    assert {t.dtype for _, t in uncast} == {torch.float32}
-    assert all(torch.equal(u.to(torch.bfloat16), c) for (_, u), (_, c) in zip(uncast, cast))
+    for family, build in sorted(TINY_LMS.items()):
+        source = ModuleSource(build(seed=0), dtype=torch.bfloat16, exclude=["lm_head.*"])
+        cast, uncast = list(source), list(source.iter_uncast())
+        assert [n for n, _ in uncast] == [n for n, _ in cast] == [m.name for m in source.metadata()], family
+        assert {t.dtype for _, t in uncast} == {torch.float32}, family
+        assert all(torch.equal(u.to(torch.bfloat16), c) for (_, u), (_, c) in zip(uncast, cast)), family
