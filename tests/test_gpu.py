@@ -176,7 +176,7 @@ def test_accelerate_with_one_gpu(receiver_proc, tmp_path, plugin):
          "--dtype", "bfloat16", "--transport", "shm", "--out", str(out)],
         out,
     )  # fmt: skip
-    assert result["scheme"] == {"fsdp1": "fsdp1", "fsdp2": "local", "zero3": "zero3"}[plugin]
+    assert result["scheme"] == {"fsdp1": "fsdp1", "fsdp2": "fsdp2", "zero3": "zero3"}[plugin]
     info = served(receiver.url)
     assert info["version_history"] == ["step-0", "step-3", "step-6"]
     assert info["checksums"] == result["checksums"]
