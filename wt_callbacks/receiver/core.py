@@ -191,8 +191,9 @@ class ReceiverCore:
         A prompt is text (needs the tokenizer) or token ids, as vLLM takes
         both; ``ignore_eos`` and ``tokens_as_ids`` are vLLM's
         ``ignore_eos`` and ``return_tokens_as_token_ids`` (tokens reported as
-        ``"token_id:N"``, which needs no tokenizer). Refused while paused: the
-        HTTP route waits out a ``keep`` pause before calling this.
+        ``"token_id:N"``, which needs no tokenizer). Called while paused, it
+        waits for ``resume`` (at most ``COMPLETION_PAUSE_WAIT_S``), as a request
+        vLLM holds under a ``keep`` pause.
         """
         if not callable(getattr(self.model, "generate", None)):
             raise ValueError("this receiver serves no completions: it needs a transformers causal LM")
@@ -201,7 +202,9 @@ class ReceiverCore:
             raise ValueError(
                 "this receiver has no tokenizer: send prompts as token ids with return_tokens_as_token_ids"
             )
-        if self.paused:
+        # The HTTP route waited the pause out, but the next round may have
+        # paused generation again before this thread ran: wait for it too.
+        if not self._unpaused.wait(timeout=COMPLETION_PAUSE_WAIT_S):
             raise TimeoutError(f"generation stayed paused for more than {COMPLETION_PAUSE_WAIT_S:g} s")
         decoding = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
         pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
