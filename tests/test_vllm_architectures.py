@@ -15,7 +15,6 @@ server start, not one per family, on top of its tests. The untied Llama row is
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -31,6 +30,7 @@ import torch
 
 from tests.support import REPO_ROOT
 from tests.support.lightning_app import run as lightning_run
+from tests.support.vllm import bf16_rounded
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import tiny_lms, toy_task
 from wt_callbacks.demos.multiprocess import free_port
@@ -128,14 +128,6 @@ def trained_model(family: str, state_path: Path) -> torch.nn.Module:
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
     assert not unexpected and set(missing) <= tied, (missing, unexpected)
     return model.eval()
-
-
-def bf16_rounded(model: torch.nn.Module) -> torch.nn.Module:
-    rounded = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in rounded.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    return rounded
 
 
 def push(server: VLLMServer, model: torch.nn.Module, step: int, **config: object) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.vllm import running_server
+from tests.support.vllm import bf16_rounded, running_server
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.vllm_server import (
     VLLMServer,
@@ -122,15 +122,6 @@ def train(model: torch.nn.Module, tokenizer, *, steps: int, seed: int) -> None:
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
-
-
-def bf16_rounded(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy whose weights went through bfloat16 and back (what a bf16 wire delivers)."""
-    rounded = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in rounded.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    return rounded
 
 
 @contextmanager

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from wt_callbacks.demos.vllm_server import (
     REQUIRE_VLLM_ENV,
@@ -38,3 +40,12 @@ def running_server(python: Path, model_dir: Path, log_path: Path, **kwargs: obje
         yield server
     finally:
         server.stop()
+
+
+def bf16_rounded(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy whose weights went through bfloat16 and back (what a bf16 wire delivers)."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return rounded
