@@ -96,7 +96,7 @@ from wt_callbacks.transfer import (
 from wt_callbacks.transfer.backends.torch_dist import DEFAULT_PACKED_BUFFER_SIZE_BYTES
 from wt_callbacks.transfer.sources.fsdp2 import DEFAULT_GATHER_BUCKET_BYTES
 
-from harness import GB, CpuLoadMeter, start_synthetic_receiver
+from harness import GB, CpuLoadMeter, checksum_exit_status, start_synthetic_receiver
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -537,10 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(result))
     print(f"\nwrote {args.out}")
     failed = [r["name"] for r in rows if not r["checksum"]["passed"]]
-    if failed:
-        print(f"CHECKSUM FAILURE: {failed}", file=sys.stderr)
-        return 1
-    return 0
+    return checksum_exit_status(failed)
 
 
 if __name__ == "__main__":

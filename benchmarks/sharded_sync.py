@@ -63,7 +63,7 @@ from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, ModuleSource, Weight
 from wt_callbacks.transfer.backends.torch_dist import DEFAULT_PACKED_BUFFER_SIZE_BYTES
 from wt_callbacks.transfer.backends.torch_dist.wire import DEFAULT_PACKED_NUM_BUFFERS
 
-from harness import GB, MiB, spawn_ranks, start_synthetic_receiver
+from harness import GB, MiB, checksum_exit_status, spawn_ranks, start_synthetic_receiver
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -282,10 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(result))
     print(f"\nwrote {args.out}")
     failed = [f"{r['scheme']} {r['wire']}" for r in rows if not r["checksum"]["passed"]]
-    if failed:
-        print(f"CHECKSUM FAILURE: {failed}", file=sys.stderr)
-        return 1
-    return 0
+    return checksum_exit_status(failed)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from torch import nn
 from wt_callbacks.demos.receiver_process import ReceiverProcess
 from wt_callbacks.demos.synthetic_llama import TRAINER_SEED, build_model, parse_size, reseed, shape_for
 
-from harness import GB, MiB, CpuLoadMeter, RssSampler, TimedClient, start_synthetic_receiver
+from harness import GB, MiB, CpuLoadMeter, RssSampler, TimedClient, checksum_exit_status, start_synthetic_receiver
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -690,10 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out} and its .md and .png")
     failed = [c["name"] for s in sizes for c in s["configs"] if not c["checksum"]["passed"]]
     failed += [w["name"] for s in sizes for w in (s["per_parameter"], s["disk"]) if not w["checksum_passed"]]
-    if failed:
-        print(f"CHECKSUM FAILURE: {failed}", file=sys.stderr)
-        return 1
-    return 0
+    return checksum_exit_status(failed)
 
 
 if __name__ == "__main__":
