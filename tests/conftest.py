@@ -6,8 +6,9 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.support.transfer import TIMEOUT_S, ring_files  # noqa: E402
-from tests.support.vllm import vllm_python_or_skip  # noqa: E402
+from tests.support.vllm import SharedVLLMServer, vllm_python_or_skip  # noqa: E402
 from wt_callbacks.demos.receiver_process import ReceiverProcess, start_receiver  # noqa: E402
+from wt_callbacks.demos.vllm_server import build_toy_model_dir  # noqa: E402
 
 
 @pytest.fixture
@@ -41,3 +42,18 @@ def no_ring_left_behind():
 def vllm_python():
     """The vLLM venv's python (``WT_VLLM_PYTHON``); the vLLM tests skip without it, or fail under CI."""
     return vllm_python_or_skip()
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory):
+    """The toy Llama checkpoint every shared-server test starts from."""
+    return build_toy_model_dir(tmp_path_factory.mktemp("vllm-model") / "toy")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_python, vllm_model_dir, tmp_path_factory):
+    """The session's one fp32 vLLM server with auth on (``SharedVLLMServer``),
+    shared by the e2e and fault tests so that they pay for one start, not one each."""
+    shared = SharedVLLMServer(vllm_python, vllm_model_dir, tmp_path_factory.mktemp("vllm-shared-logs"))
+    yield shared
+    shared.stop()

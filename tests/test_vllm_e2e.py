@@ -7,7 +7,10 @@ subprocess of the vLLM venv's python (``WT_VLLM_PYTHON``, built by
 ``scripts/vllm_env.sh``), started with ``--weight-transfer-config
 '{"backend": "torch_dist"}'``, which only works because installing
 wt-callbacks there registers our worker engine through the
-``vllm.general_plugins`` entry point.
+``vllm.general_plugins`` entry point. Most tests here and in
+test_vllm_faults share the session's one fp32 server (``vllm_server``, with
+auth on: clients send its key); the restart test stops it and starts it again
+on the same port.
 
 A push is verified through what vLLM computes: greedy completion logprobs on
 fixed prompts must equal those of the trainer's model under transformers.
@@ -37,14 +40,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.vllm import bf16_rounded, running_server
+from tests.support.vllm import SharedVLLMServer, bf16_rounded, running_server
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.vllm_server import (
     VLLMServer,
-    build_toy_model_dir,
     completion,
     max_logprob_diff,
-    start_vllm_server,
     startup_failure_log,
 )
 from wt_callbacks.transfer import (
@@ -76,15 +77,14 @@ STARTUP_FAILURE_TIMEOUT_S = 180.0
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_toy_model_dir(tmp_path_factory.mktemp("vllm-model") / "toy")
+def model_dir(vllm_model_dir: Path) -> Path:
+    return vllm_model_dir
 
 
-@pytest.fixture(scope="module")
-def server(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """One fp32 server shared by the module (startup takes 30-40 s)."""
-    with running_server(vllm_python, model_dir, tmp_path_factory.mktemp("vllm-logs") / "fp32.log") as s:
-        yield s
+@pytest.fixture
+def server(vllm_server: SharedVLLMServer) -> VLLMServer:
+    """The session's shared fp32 server (auth on: clients send its key), running."""
+    return vllm_server.current
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def trainer_engine(
     server: VLLMServer, source: WeightSource | torch.nn.Module, **config: object
 ) -> Iterator[tuple[TrainerWeightTransferEngine, HTTPVLLMWeightSyncClient]]:
     """``trainer_init`` through the public API; shut down (both ends) afterwards."""
-    client = HTTPVLLMWeightSyncClient(server.url, timeout=ROUND_TIMEOUT_S)
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=ROUND_TIMEOUT_S, api_key=server.api_key)
     engine = WeightTransferTrainerFactory.trainer_init(
         "torch_dist",
         {"timeout_s": ROUND_TIMEOUT_S, **config},
@@ -385,7 +385,8 @@ def test_lightning_fsdp2_two_ranks_sync_into_vllm(server: VLLMServer, model_dir,
 
     from tests.support import REPO_ROOT
 
-    weight_sync = {"servers": [server.url], "every_n_train_steps": 3, "module": "model", "timeout_s": ROUND_TIMEOUT_S}
+    weight_sync = {"servers": [server.url], "every_n_train_steps": 3, "module": "model", "timeout_s": ROUND_TIMEOUT_S,
+                   "api_key": server.api_key}  # fmt: skip
     state_path = tmp_path / "trained.pt"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -397,41 +398,40 @@ def test_lightning_fsdp2_two_ranks_sync_into_vllm(server: VLLMServer, model_dir,
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["sharded"] and result["state"]["syncs_completed"] == 3  # step-0, step-3, step-6
-    assert HTTPVLLMWeightSyncClient(server.url).weight_info() == [{"weight_version": "step-6"}]
+    assert HTTPVLLMWeightSyncClient(server.url, api_key=server.api_key).weight_info() == [{"weight_version": "step-6"}]
     diff = max_logprob_diff(server, trained_model(model_dir, state_path), prompts)
     assert diff <= FP32_ATOL, f"vLLM differs from the FSDP2-trained model by {diff:.3g}"
 
 
-def test_server_restarted_mid_training_with_warn(vllm_python: Path, model_dir, prompts, tmp_path, caplog) -> None:
+def test_server_restarted_mid_training_with_warn(vllm_server: SharedVLLMServer, model_dir, prompts, tmp_path, caplog) -> None:
+    """The shared server is stopped after the step-2 round and started again,
+    on the same port, before step 6: the step-4 round is refused and warned."""
     import logging
 
     from tests.support.lightning_app import StepHook, run
-    from wt_callbacks.demos.multiprocess import free_port
 
-    port = free_port()
-    servers = {"current": start_vllm_server(vllm_python, model_dir, tmp_path / "first.log", port=port)}
+    url, key = vllm_server.current.url, vllm_server.current.api_key
 
     def restart(step: int) -> None:
         if step == 2:
-            servers["current"].stop()  # after the step-2 round
+            vllm_server.stop()  # after the step-2 round
         if step == 4:  # the step-4 round just failed; the server is back for step 6
-            servers["current"] = start_vllm_server(vllm_python, model_dir, tmp_path / "second.log", port=port)
+            vllm_server.start()
 
     caplog.set_level(logging.WARNING, logger="wt_callbacks")
     state_path = tmp_path / "trained.pt"
-    try:
-        result = run(
-            {"servers": [servers["current"].url], "every_n_train_steps": 2, "module": "model",
-             "on_error": "warn", "timeout_s": 30},
-            task="toy-lm", max_steps=8, extra_callbacks=[StepHook(restart)], state_out=str(state_path),
-        )  # fmt: skip
-        assert result["global_step"] == 8
-        assert any("training continues" in r.getMessage() for r in caplog.records)
-        assert HTTPVLLMWeightSyncClient(servers["current"].url).weight_info() == [{"weight_version": "step-8"}]
-        diff = max_logprob_diff(servers["current"], trained_model(model_dir, state_path), prompts)
-        assert diff <= FP32_ATOL
-    finally:
-        servers["current"].stop()
+    result = run(
+        {"servers": [url], "every_n_train_steps": 2, "module": "model",
+         "on_error": "warn", "timeout_s": 30, "api_key": key},
+        task="toy-lm", max_steps=8, extra_callbacks=[StepHook(restart)], state_out=str(state_path),
+    )  # fmt: skip
+    assert result["global_step"] == 8
+    assert any("training continues" in r.getMessage() for r in caplog.records)
+    server = vllm_server.current
+    assert server.url == url
+    assert HTTPVLLMWeightSyncClient(url, api_key=key).weight_info() == [{"weight_version": "step-8"}]
+    diff = max_logprob_diff(server, trained_model(model_dir, state_path), prompts)
+    assert diff <= FP32_ATOL
 
 
 def test_push_vs_reload_benchmark_smoke(vllm_python, tmp_path):

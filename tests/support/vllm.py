@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from wt_callbacks.demos.multiprocess import free_port
 from wt_callbacks.demos.vllm_server import (
     REQUIRE_VLLM_ENV,
     VLLMServer,
@@ -49,3 +51,59 @@ def bf16_rounded(model: torch.nn.Module) -> torch.nn.Module:
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     return rounded
+
+
+SHARED_API_KEY = "shared-vllm-s3cret"
+"""The token of the session's shared server (``VLLM_API_KEY`` + our auth
+middleware): the fault and stranger tests need auth on, and every other test
+simply sends the key."""
+
+
+class SharedVLLMServer:
+    """One fp32 vLLM server for the whole test session (a start costs 30-60 s).
+
+    ``current`` is the running server, started on first use and again after a
+    test killed or stopped it, always on the same port (same URL): a fault
+    test may kill it and leave the restart to whoever needs it next.
+    """
+
+    def __init__(self, python: Path, model_dir: Path, log_dir: Path) -> None:
+        self.python, self.model_dir, self.log_dir = python, model_dir, log_dir
+        self.port = free_port()
+        self._server: VLLMServer | None = None
+        self._starts = 0
+
+    @property
+    def current(self) -> VLLMServer:
+        if self._server is None or self._server.proc.poll() is not None:
+            self.start()
+        assert self._server is not None
+        return self._server
+
+    def start(self) -> VLLMServer:
+        """A fresh server on the port (the previous one stopped first, if any)."""
+        self.stop()
+        self._starts += 1
+        log = self.log_dir / f"shared-{self._starts}.log"
+        try:
+            self._server = start_vllm_server(self.python, self.model_dir, log, port=self.port, api_key=SHARED_API_KEY)
+        except VLLMStartError as e:
+            pytest.fail(str(e))
+        return self._server
+
+    def signal(self, sig: int) -> None:
+        """The whole server (API process, engine core, worker: its own process group)."""
+        if self._server is not None and self._server.proc.poll() is None:
+            os.killpg(self._server.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed or preempted server; reaped at once, so its PID is never signalled again."""
+        if self._server is not None:
+            self.signal(signal.SIGKILL)
+            self._server.proc.wait(timeout=30)
+            self._server = None
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
