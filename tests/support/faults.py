@@ -28,6 +28,10 @@ from tests.support import REPO_ROOT
 from wt_callbacks.demos.receiver_process import URL_MARKER, receiver_checksums
 
 START_TIMEOUT_S = 60.0
+FULL_MATRIX_ENV = "WT_FAULT_MATRIX"
+"""``full``: the fault-matrix modules run every cell; otherwise (CI) each runs
+the covering subset its docstring names."""
+FULL_MATRIX = os.environ.get(FULL_MATRIX_ENV) == "full"
 
 
 class ReceiverForks:
