@@ -18,7 +18,10 @@ before each sync and syncs them into the server by:
   the timed ``engine.send_weights()`` of every round on that engine (start,
   update over the configured transport, finish, all through vLLM's RL
   routes), as a trainer does. The server call times of start / update /
-  finish are recorded too.
+  finish are recorded too, and from the server's log the worker's own view
+  of the update: the seconds it spent receiving and loading, and how much
+  of that it waited for the trainer's data (the rest is vLLM's loading,
+  which a reload does too).
 * **reload**, what a user of vLLM 0.32 would do otherwise: ``save_pretrained``
   (safetensors) into a directory, then ``POST /collective_rpc {"method":
   "reload_weights", "kwargs": {"weights_path": DIR}}``. Timed as save + RPC.
@@ -48,6 +51,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -121,6 +125,24 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
         p.add_(torch.randn(p.shape, generator=generator) * 0.01)
 
 
+WORKER_LINE = re.compile(
+    r"wt_callbacks update_weights: \d+ tensors, [\d.]+ MB received and loaded in ([\d.]+) s "
+    r"\(([\d.]+) s of it waiting for the trainer's data\)"
+)
+"""The line our vLLM worker engine logs after every update (``integrations/vllm.py``)."""
+
+
+def worker_seconds(log: Path, offset: int) -> tuple[int, dict[str, float] | None]:
+    """The worker's ``received and loaded`` / ``waiting`` seconds of the last
+    update logged after byte ``offset`` of the server log, and the new offset."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    found = WORKER_LINE.findall(text)
+    stats = {"load_s": float(found[-1][0]), "waiting_s": float(found[-1][1])} if found else None
+    return offset + len(text.encode()), stats
+
+
 def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
@@ -174,7 +196,8 @@ def bench_size(
         answer[0].raise_for_status()
         return save_s, rpc_s
 
-    pushes: dict[str, dict[str, Any]] = {name: {"send": [], "calls": [], "rpc": []} for name in push_configs}
+    pushes: dict[str, dict[str, Any]] = {name: {"send": [], "calls": [], "rpc": [], "worker": []} for name in push_configs}
+    log_offset = 0
     save_s: list[float] = []
     rpc_s: list[float] = []
     diffs: dict[str, float] = {}
@@ -196,6 +219,7 @@ def bench_size(
                         start = time.perf_counter()
                         engine.send_weights(f"{name}-{r}")
                         send = time.perf_counter() - start
+                        log_offset, worker = worker_seconds(server.log_path, log_offset)
                         seed += 1
                         perturb(model, seed)
                         t_save, t_rpc = reload()
@@ -203,6 +227,8 @@ def bench_size(
                             pushes[name]["send"].append(send)
                             pushes[name]["calls"].append(dict(client.call_seconds))
                             pushes[name]["rpc"].append(t_rpc)
+                            if worker is not None:
+                                pushes[name]["worker"].append(worker)
                             save_s.append(t_save)
                             rpc_s.append(t_rpc)
                         print(
@@ -237,6 +263,8 @@ def bench_size(
                 "send_s": summary(p["send"]),
                 "trainer_init_s": p["init"],
                 "call_s": {k: statistics.median(c[k] for c in p["calls"]) for k in p["calls"][0]},
+                # The worker's side (from its log line; None if the server logged none).
+                "worker_s": {k: statistics.median(w[k] for w in p["worker"]) for k in p["worker"][0]} if p["worker"] else None,
                 "ratio_reload_over_push": statistics.median(reload_s) / statistics.median(p["send"]),
                 "reload_rpc_s": summary(p["rpc"]),
                 # The target: the push against the reload RPC alone (checkpoint already written), rounds interleaved.
@@ -255,13 +283,18 @@ def bench_size(
     }
 
 
+def worker_cell(worker: dict[str, float] | None) -> str:
+    return "-" if worker is None else f"{worker['load_s']:.3f} ({worker['waiting_s']:.3f})"
+
+
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | params | push config | push s (median / min) | push: start + update + finish s "
+        "| worker: receive + load s (waiting for data s) "
         "| reload s (median / min) | reload: save + rpc s | reload / push "
         "| reload rpc s, interleaved (median) | push / reload rpc "
         "| logprob diff push / reload | other load (cores) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         reload = r["reload"]
@@ -272,6 +305,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f"| {p['send_s']['median']:.3f} / {p['send_s']['min']:.3f} "
                 f"| {calls['start_weight_update']:.3f} + {calls['update_weights']:.3f} "
                 f"+ {calls['finish_weight_update']:.3f} "
+                f"| {worker_cell(p['worker_s'])} "
                 f"| {reload['total_s']['median']:.3f} / {reload['total_s']['min']:.3f} "
                 f"| {reload['save_s']['median']:.3f} + {reload['rpc_s']['median']:.3f} "
                 f"| {p['ratio_reload_over_push']:.2f}x "

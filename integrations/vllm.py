@@ -34,7 +34,8 @@ if TYPE_CHECKING:
         TorchDistWeightTransferUpdateInfo,
     )
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger, whose handler vLLM sets up in every process it starts.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 BACKEND = "torch_dist"
 ENGINE_CLASS_NAME = "VLLMTorchDistWeightTransferEngine"
@@ -157,6 +158,16 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 except Exception:  # noqa: BLE001 - report the error that ended the round
                     logger.exception("restoring the previous weights after a failed round failed")
                 raise
+            received = self.last_receive
+            if received is None:
+                return
+            # The worker's side of where a round's time goes, which a trainer
+            # cannot see: waiting for data vs vLLM's own loading.
+            logger.info(
+                "wt_callbacks update_weights: %d tensors, %.1f MB received and loaded in %.3f s "
+                "(%.3f s of it waiting for the trainer's data)",
+                received.tensors, received.bytes / 1e6, received.seconds, received.waiting_s,
+            )  # fmt: skip
 
         def check_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
             reason = self._guard.refusal(update_info.names, update_info.dtypes, update_info.shapes)

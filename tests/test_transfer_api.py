@@ -37,7 +37,7 @@ from wt_callbacks.transfer.backends.torch_dist import (
 )
 from wt_callbacks.transfer.base import finish_with_version
 from wt_callbacks.transfer.clients import assign_rank_offsets
-from wt_callbacks.transfer.packing import CastPart, broadcast_packed, plan_chunks
+from wt_callbacks.transfer.packing import CastPart, broadcast_packed, plan_chunks, receive_packed
 from wt_callbacks.receiver import _host_config
 
 LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
@@ -260,6 +260,31 @@ def test_unpacked_parts_make_the_packed_chunks_within_the_buffer_bound(num_buffe
     assert sent == sum(nbytes) and not held and peak[0] <= num_buffers
     expected = [torch.cat([tensors[i].view(torch.uint8) for i in chunk]) for chunk in plan_chunks(nbytes, 16)]
     assert len(chunks) == len(expected) and all(torch.equal(a, b) for a, b in zip(chunks, expected))
+
+
+@pytest.mark.parametrize("loader_copies", [False, True])
+def test_receive_buffers_rotate_only_for_a_loader_that_copies(loader_copies):
+    """By default every chunk of a round has its own buffer, so views a loader
+    keeps stay valid to the end of the round (vLLM's layerwise reload keeps a
+    layer's); for a loader that copies each tensor before asking for the next,
+    num_buffers + 1 buffers rotate and the cache stays that size, round after round."""
+    tensors = [torch.full((n,), float(i)) for i, n in enumerate([3, 5, 2, 9, 1, 4, 6, 2])]
+    nbytes = [t.numel() * 4 for t in tensors]
+    payloads = [torch.cat([tensors[i].view(torch.uint8) for i in chunk]) for chunk in plan_chunks(nbytes, 16)]
+    cache: list[torch.Tensor] = []
+    for _ in range(2):  # the second round reuses the cached buffers
+        posted = iter(payloads)
+
+        def broadcast(buf):
+            buf.copy_(next(posted))  # the data lands when the receive is posted: the worst case for reuse
+
+        received = receive_packed(
+            [(torch.float32, [t.numel()]) for t in tensors], buffer_size_bytes=16, num_buffers=2,
+            broadcast=broadcast, wait=lambda work: None, buffers=cache, loader_copies=loader_copies,
+        )  # fmt: skip
+        kept = [t if not loader_copies else t.clone() for t in received]
+        assert all(torch.equal(a, b) for a, b in zip(kept, tensors))
+        assert len(cache) == (3 if loader_copies else len(payloads))
 
 
 @pytest.mark.parametrize("transport", ["pack buffer", "parts"])

@@ -450,4 +450,7 @@ def test_push_vs_reload_benchmark_smoke(vllm_python, tmp_path):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert json.loads(out.read_text())
+    push = json.loads(out.read_text())["results"][0]["pushes"]["default"]
+    # The worker's own view of the update, from the line it logs after each one.
+    worker = push["worker_s"]
+    assert worker is not None and 0 <= worker["waiting_s"] <= worker["load_s"], push

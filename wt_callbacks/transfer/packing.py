@@ -257,40 +257,52 @@ def receive_packed(
     wait: Wait,
     device: torch.device | str = "cpu",
     buffers: list[torch.Tensor] | None = None,
+    loader_copies: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Receiver side: yield one tensor per ``(dtype, shape)`` in order.
 
     Receives of the next ``num_buffers - 1`` chunks are posted before the
     current chunk is handed out, so unpacking/loading chunk k overlaps the
-    transfer of chunk k+1. Each chunk of a round gets its own buffer: the
-    yielded tensors are views into it, and a loader may keep them until the
-    round finishes (vLLM's layerwise reload and the reference receiver's
-    staging do) without the next chunk overwriting them.
+    transfer of chunk k+1. The yielded tensors are views into the chunk's
+    buffer. By default each chunk of a round gets its own buffer: a loader
+    may keep the views until the round finishes (vLLM's layerwise reload
+    holds a layer's tensors until the layer is complete) without the next
+    chunk overwriting them.
 
-    ``buffers``: a per-chunk cache the caller keeps between rounds (chunk i
-    reuses ``buffers[i]`` when its size matches), for hosts where the round's
-    loader is done with the views once the round finished; it saves the page
-    faults of fresh host memory, at the cost of keeping the buffers.
+    ``loader_copies``: the loader is done with a chunk's tensors once it asks
+    for the next chunk's first one (it copies what it keeps). The buffers
+    then rotate over ``num_buffers + 1``: chunk k+num_buffers is posted into
+    chunk k-1's, so receive memory is bounded like the sender's instead of
+    growing to the whole round.
+
+    ``buffers``: a cache the caller keeps between rounds (per chunk, or per
+    rotating slot with ``loader_copies``), reused when big enough; it saves
+    the page faults of fresh host memory, at the cost of keeping the buffers.
+    Without ``loader_copies`` it is only for hosts where the round's loader
+    is done with the views once the round finished.
     """
     sizes = [_numel(shape) * dtype.itemsize for dtype, shape in metas]
     chunks = plan_chunks(sizes, buffer_size_bytes)
+    chunk_bytes = [sum(sizes[i] for i in chunk) for chunk in chunks]
+    slots = max(num_buffers, 1) + 1 if loader_copies else len(chunks)
+    capacities = slot_capacities(sizes, chunks, slots)
     cache: list[torch.Tensor] | None = buffers
     pending: list[tuple[range, torch.Tensor, Any]] = []
     next_chunk = 0
 
     def post() -> None:
         nonlocal next_chunk
-        chunk = chunks[next_chunk]
-        size = sum(sizes[i] for i in chunk)
-        if cache is not None and next_chunk < len(cache) and cache[next_chunk].numel() == size:
-            buf = cache[next_chunk]
+        slot, size = next_chunk % slots, chunk_bytes[next_chunk]
+        if cache is not None and slot < len(cache) and cache[slot].numel() >= capacities[slot]:
+            buf = cache[slot]
         else:
-            buf = torch.empty(size, dtype=torch.uint8, device=device)
+            buf = torch.empty(capacities[slot], dtype=torch.uint8, device=device)
             if cache is not None:
-                del cache[next_chunk:]
+                del cache[slot:]
                 cache.append(buf)
+        buf = buf[:size]
         # The sender never sends an empty chunk (only zero-size tensors).
-        pending.append((chunk, buf, broadcast(buf) if size else None))
+        pending.append((chunks[next_chunk], buf, broadcast(buf) if size else None))
         next_chunk += 1
 
     while next_chunk < len(chunks) and len(pending) < max(num_buffers, 1):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +29,23 @@ from wt_callbacks.transfer.packing import broadcast_packed, receive_packed
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ReceiveStats:
+    """One ``update_weights`` as the worker saw it: where a round's time goes.
+
+    ``seconds`` runs from the first receive posted to the last tensor
+    loaded; ``waiting_s`` is the part of it the loader spent blocked on the
+    transport. Since the next chunks are received while one is loaded, a
+    small ``waiting_s`` means the transfer is hidden behind loading and the
+    rest is the model's own loading.
+    """
+
+    tensors: int
+    bytes: int
+    seconds: float
+    waiting_s: float
+
+
 class TorchDistWeightTransferEngine(
     WeightTransferEngine[TorchDistWeightTransferInitInfo, TorchDistWeightTransferUpdateInfo]
 ):
@@ -36,7 +55,11 @@ class TorchDistWeightTransferEngine(
     iterable of ``(name, tensor)`` per round. If the target has
     ``validate_update(names, dtypes, shapes)`` it is called before anything is
     received, so a mismatched model is refused before the trainer starts
-    streaming.
+    streaming. A target whose ``copies_loaded_tensors`` is true is done with
+    each tensor before it asks for the next, so the receive buffers rotate
+    (``receive_packed``'s ``loader_copies``); otherwise (vLLM's layerwise
+    reload keeps a layer's tensors until it is complete) every chunk of a
+    round has its own.
 
     A request that is not the session's own is refused before any byte
     moves and leaves the session as it was: an init_info that does not prove
@@ -51,6 +74,8 @@ class TorchDistWeightTransferEngine(
     must prove (``session``); read from ``VLLM_API_KEY`` (what vLLM's
     ``--api-key`` reads), a host may set it. ``None``: any init_info is
     accepted.
+
+    ``last_receive``: the ``ReceiveStats`` of the last update that completed.
     """
 
     init_info_cls = TorchDistWeightTransferInitInfo
@@ -62,6 +87,7 @@ class TorchDistWeightTransferEngine(
         self.group: TransferGroup | None = None
         self.init_info: TorchDistWeightTransferInitInfo | None = None
         self.api_key: str | None = api_key_or_env(None)
+        self.last_receive: ReceiveStats | None = None
         # Host memory only: receive buffers kept between rounds spare the page
         # faults of fresh memory. Not on a GPU, where they would pin a copy of
         # the model in device memory.
@@ -140,18 +166,27 @@ class TorchDistWeightTransferEngine(
             raise
         info, group = self.init_info, self.group
         metas = list(zip(update_info.dtypes, update_info.shapes))
+        started, waiting = time.perf_counter(), 0.0
+
+        def wait(work: Any) -> None:
+            nonlocal waiting
+            start = time.perf_counter()
+            group.wait_received(work)
+            waiting += time.perf_counter() - start
+
         if info.packed:
             tensors = receive_packed(
                 metas,
                 buffer_size_bytes=info.packed_buffer_size_bytes,
                 num_buffers=info.packed_num_buffers,
                 broadcast=group.broadcast,
-                wait=group.wait_received,
+                wait=wait,
                 device=group.device,
                 buffers=self._receive_buffers if group.device.type == "cpu" else None,
+                loader_copies=bool(getattr(self.model, "copies_loaded_tensors", False)),
             )
         else:
-            tensors = self._receive_unpacked(metas)
+            tensors = self._receive_unpacked(metas, wait)
         weights = zip(update_info.names, tensors)
         try:
             self.model.load_weights(weights)
@@ -160,12 +195,14 @@ class TorchDistWeightTransferEngine(
         except Exception:
             self.shutdown()
             raise
+        nbytes = sum(dtype.itemsize * torch.Size(shape).numel() for dtype, shape in metas)
+        self.last_receive = ReceiveStats(len(metas), nbytes, time.perf_counter() - started, waiting)
 
-    def _receive_unpacked(self, metas: list[tuple[torch.dtype, list[int]]]) -> Iterator[torch.Tensor]:
+    def _receive_unpacked(self, metas: list[tuple[torch.dtype, list[int]]], wait: Any) -> Iterator[torch.Tensor]:
         assert self.group is not None
         for dtype, shape in metas:
             tensor = torch.empty(tuple(shape), dtype=dtype, device=self.group.device)
-            self.group.wait_received(self.group.broadcast(tensor))
+            wait(self.group.broadcast(tensor))
             yield tensor
 
     def shutdown(self) -> None:
