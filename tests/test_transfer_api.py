@@ -287,6 +287,38 @@ def test_receive_buffers_rotate_only_for_a_loader_that_copies(loader_copies):
         assert len(cache) == (3 if loader_copies else len(payloads))
 
 
+def test_a_chunk_whose_every_tensor_has_a_destination_is_received_straight_into_them():
+    """With a transport that receives into several tensors, a chunk all of
+    whose tensors have a destination skips the receive buffer and yields the
+    destinations themselves; a chunk with one tensor lacking one comes in a buffer."""
+    tensors = [torch.full((n,), float(i)) for i, n in enumerate([3, 5, 2, 9, 1])]
+    nbytes = [t.numel() * 4 for t in tensors]
+    chunks = plan_chunks(nbytes, 16)
+    payloads = iter([torch.cat([tensors[i].view(torch.uint8) for i in chunk]) for chunk in chunks])
+    destinations = [torch.empty(t.shape) for t in tensors]
+    destinations[chunks[1][0]] = None  # the second chunk comes in a buffer
+    via_parts = []
+
+    def broadcast(buf):
+        buf.copy_(next(payloads))
+
+    def receive_parts(parts):
+        via_parts.append(len(parts))
+        data, offset = next(payloads), 0
+        for part in parts:
+            part.copy_(data[offset : offset + part.numel()])
+            offset += part.numel()
+
+    received = list(receive_packed(
+        [(torch.float32, [t.numel()]) for t in tensors], buffer_size_bytes=16, num_buffers=2,
+        broadcast=broadcast, wait=lambda work: None, destinations=destinations, receive_parts=receive_parts,
+    ))  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(received, tensors))
+    assert via_parts == [len(chunk) for k, chunk in enumerate(chunks) if k != 1]
+    direct = {i for k, chunk in enumerate(chunks) if k != 1 for i in chunk}
+    assert [i for i, (r, d) in enumerate(zip(received, destinations)) if r is d] == sorted(direct)
+
+
 @pytest.mark.parametrize("transport", ["pack buffer", "parts"])
 def test_packing_casts_to_the_wire_dtype_as_it_copies(transport):
     """Tensors in another dtype than their wire dtype arrive as if cast first,

@@ -48,7 +48,9 @@ class StagedWeights:
     values there, to be overwritten by the next round), so their memory, one
     copy of the parameters, is faulted in once. Since every tensor is copied
     before the next one is asked for, ``copies_loaded_tensors`` tells the
-    engine it may reuse its receive buffers within the round.
+    engine it may reuse its receive buffers within the round; a tensor that
+    comes in the spare's dtype is received straight into it (``receive_into``)
+    over the shm ring, with no copy at all.
     """
 
     copies_loaded_tensors = True
@@ -92,13 +94,25 @@ class StagedWeights:
                     f"model has {dtype_name(expected.dtype)}"
                 )
 
+    def receive_into(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Where the engine may receive ``name`` straight into: its spare, when
+        the wire carries it in the spare's dtype and shape (otherwise it comes
+        in a receive buffer and ``load_weights`` converts it)."""
+        if name not in self._expected:
+            return None
+        spare = self._spare(name)
+        same = spare.dtype == dtype and tuple(spare.shape) == tuple(shape) and spare.is_contiguous()
+        return spare if same else None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             for name, tensor in weights:
                 if name not in self._expected:
                     raise ValueError(f"parameter {name!r} is not in the served model")
-                self._spare(name).copy_(tensor)
-                self._staged[name] = self._spares[name]
+                spare = self._spare(name)
+                if tensor is not spare:  # not received straight into it
+                    spare.copy_(tensor)
+                self._staged[name] = spare
                 self.tensors += 1
                 self.bytes += tensor.numel() * tensor.element_size()
 

@@ -258,6 +258,8 @@ def receive_packed(
     device: torch.device | str = "cpu",
     buffers: list[torch.Tensor] | None = None,
     loader_copies: bool = False,
+    destinations: Sequence[torch.Tensor | None] | None = None,
+    receive_parts: BroadcastParts | None = None,
 ) -> Iterator[torch.Tensor]:
     """Receiver side: yield one tensor per ``(dtype, shape)`` in order.
 
@@ -280,6 +282,12 @@ def receive_packed(
     the page faults of fresh host memory, at the cost of keeping the buffers.
     Without ``loader_copies`` it is only for hosts where the round's loader
     is done with the views once the round finished.
+
+    ``destinations``: per tensor, where the loader wants it (contiguous, of
+    the tensor's dtype and shape) or ``None``; with a transport that can
+    receive one broadcast into several tensors (``receive_parts``, the shm
+    ring), a chunk whose every tensor has one is received straight into
+    them and they are what is yielded: one copy fewer than through a buffer.
     """
     sizes = [_numel(shape) * dtype.itemsize for dtype, shape in metas]
     chunks = plan_chunks(sizes, buffer_size_bytes)
@@ -287,11 +295,27 @@ def receive_packed(
     slots = max(num_buffers, 1) + 1 if loader_copies else len(chunks)
     capacities = slot_capacities(sizes, chunks, slots)
     cache: list[torch.Tensor] | None = buffers
-    pending: list[tuple[range, torch.Tensor, Any]] = []
+    pending: list[tuple[range, torch.Tensor | list[torch.Tensor], Any]] = []
     next_chunk = 0
+
+    def direct(chunk: range) -> list[torch.Tensor] | None:
+        if receive_parts is None or destinations is None:
+            return None
+        tensors = [destinations[i] for i in chunk]
+        if any(t is None for t in tensors):
+            return None
+        return tensors  # type: ignore[return-value]
 
     def post() -> None:
         nonlocal next_chunk
+        chunk = chunks[next_chunk]
+        into = direct(chunk)
+        if into is not None:
+            assert receive_parts is not None
+            parts = [_as_bytes(t) for t in into]
+            pending.append((chunk, into, receive_parts(parts) if chunk_bytes[next_chunk] else None))
+            next_chunk += 1
+            return
         slot, size = next_chunk % slots, chunk_bytes[next_chunk]
         if cache is not None and slot < len(cache) and cache[slot].numel() >= capacities[slot]:
             buf = cache[slot]
@@ -302,7 +326,7 @@ def receive_packed(
                 cache.append(buf)
         buf = buf[:size]
         # The sender never sends an empty chunk (only zero-size tensors).
-        pending.append((chunks[next_chunk], buf, broadcast(buf) if size else None))
+        pending.append((chunk, buf, broadcast(buf) if size else None))
         next_chunk += 1
 
     while next_chunk < len(chunks) and len(pending) < max(num_buffers, 1):
@@ -313,6 +337,9 @@ def receive_packed(
             wait(work)
         if next_chunk < len(chunks):
             post()
+        if isinstance(buf, list):
+            yield from buf
+            continue
         offset = 0
         for i in chunk:
             dtype, shape = metas[i]

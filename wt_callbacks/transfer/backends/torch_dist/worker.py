@@ -59,7 +59,9 @@ class TorchDistWeightTransferEngine(
     each tensor before it asks for the next, so the receive buffers rotate
     (``receive_packed``'s ``loader_copies``); otherwise (vLLM's layerwise
     reload keeps a layer's tensors until it is complete) every chunk of a
-    round has its own.
+    round has its own. A target with ``receive_into(name, dtype, shape)``
+    names, per tensor, a tensor to receive it straight into (or ``None``),
+    which the shm ring does without a receive buffer.
 
     A request that is not the session's own is refused before any byte
     moves and leaves the session as it was: an init_info that does not prove
@@ -184,6 +186,8 @@ class TorchDistWeightTransferEngine(
                 device=group.device,
                 buffers=self._receive_buffers if group.device.type == "cpu" else None,
                 loader_copies=bool(getattr(self.model, "copies_loaded_tensors", False)),
+                destinations=self._destinations(update_info),
+                receive_parts=group.broadcast_parts,
             )
         else:
             tensors = self._receive_unpacked(metas, wait)
@@ -197,6 +201,17 @@ class TorchDistWeightTransferEngine(
             raise
         nbytes = sum(dtype.itemsize * torch.Size(shape).numel() for dtype, shape in metas)
         self.last_receive = ReceiveStats(len(metas), nbytes, time.perf_counter() - started, waiting)
+
+    def _destinations(self, update_info: TorchDistWeightTransferUpdateInfo) -> list[torch.Tensor | None] | None:
+        """The target's ``receive_into(name, dtype, shape)`` for every tensor,
+        if it has one: where it wants a tensor received straight into."""
+        receive_into = getattr(self.model, "receive_into", None)
+        if not callable(receive_into):
+            return None
+        return [
+            receive_into(name, dtype, tuple(shape))
+            for name, dtype, shape in zip(update_info.names, update_info.dtypes, update_info.shapes)
+        ]
 
     def _receive_unpacked(self, metas: list[tuple[torch.dtype, list[int]]], wait: Any) -> Iterator[torch.Tensor]:
         assert self.group is not None
