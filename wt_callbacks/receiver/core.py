@@ -48,9 +48,9 @@ class StagedWeights:
     values there, to be overwritten by the next round), so their memory, one
     copy of the parameters, is faulted in once. Since every tensor is copied
     before the next one is asked for, ``copies_loaded_tensors`` tells the
-    engine it may reuse its receive buffers within the round; a tensor that
-    comes in the spare's dtype is received straight into it (``receive_into``)
-    over the shm ring, with no copy at all.
+    engine it may reuse its receive buffers within the round; over the shm
+    ring a tensor is received straight into its spare (``receive_into``),
+    converted from the wire's dtype as it is copied out of the ring.
     """
 
     copies_loaded_tensors = True
@@ -96,13 +96,15 @@ class StagedWeights:
 
     def receive_into(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
         """Where the engine may receive ``name`` straight into: its spare, when
-        the wire carries it in the spare's dtype and shape (otherwise it comes
-        in a receive buffer and ``load_weights`` converts it)."""
+        the wire carries it in the spare's shape and dtype, or another
+        floating-point dtype to convert from (otherwise it comes in a receive
+        buffer and ``load_weights`` copies it)."""
         if name not in self._expected:
             return None
         spare = self._spare(name)
-        same = spare.dtype == dtype and tuple(spare.shape) == tuple(shape) and spare.is_contiguous()
-        return spare if same else None
+        convertible = spare.dtype == dtype or (spare.dtype.is_floating_point and dtype.is_floating_point)
+        fits = convertible and tuple(spare.shape) == tuple(shape) and spare.is_contiguous()
+        return spare if fits else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():

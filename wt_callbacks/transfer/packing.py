@@ -40,7 +40,8 @@ from wt_callbacks.transfer.validation import check_positive
 
 class CastPart(NamedTuple):
     """A part of a broadcast whose bytes are those of ``tensor`` converted to
-    ``dtype``: the transport casts as it copies (``tensor`` is contiguous)."""
+    ``dtype``: the transport casts as it copies (``tensor`` is contiguous).
+    Received into, its bytes are values of ``dtype``, converted into ``tensor``."""
 
     tensor: torch.Tensor
     dtype: torch.dtype
@@ -284,10 +285,13 @@ def receive_packed(
     is done with the views once the round finished.
 
     ``destinations``: per tensor, where the loader wants it (contiguous, of
-    the tensor's dtype and shape) or ``None``; with a transport that can
-    receive one broadcast into several tensors (``receive_parts``, the shm
-    ring), a chunk whose every tensor has one is received straight into
-    them and they are what is yielded: one copy fewer than through a buffer.
+    its shape; of its dtype, or of another floating-point one to convert it
+    into) or ``None``; with a transport that can receive one broadcast into
+    several tensors (``receive_parts``, the shm ring), a chunk whose every
+    tensor has one is received straight into them (converting as it copies)
+    and they are what is yielded: one copy fewer than through a buffer. A
+    tensor to convert must sit at an offset of its chunk aligned to its
+    dtype; a chunk where one does not comes in a buffer.
     """
     sizes = [_numel(shape) * dtype.itemsize for dtype, shape in metas]
     chunks = plan_chunks(sizes, buffer_size_bytes)
@@ -298,21 +302,34 @@ def receive_packed(
     pending: list[tuple[range, torch.Tensor | list[torch.Tensor], Any]] = []
     next_chunk = 0
 
-    def direct(chunk: range) -> list[torch.Tensor] | None:
+    def direct(chunk: range) -> tuple[list[torch.Tensor], list[torch.Tensor | CastPart]] | None:
+        """The chunk's destinations and the parts to receive into, if it can go straight into them."""
         if receive_parts is None or destinations is None:
             return None
-        tensors = [destinations[i] for i in chunk]
-        if any(t is None for t in tensors):
-            return None
-        return tensors  # type: ignore[return-value]
+        into: list[torch.Tensor] = []
+        parts: list[torch.Tensor | CastPart] = []
+        offset = 0
+        for i in chunk:
+            dest, wire = destinations[i], metas[i][0]
+            if dest is None:
+                return None
+            if dest.dtype == wire:
+                parts.append(_as_bytes(dest))
+            elif offset % wire.itemsize == 0:
+                parts.append(CastPart(dest, wire))
+            else:
+                return None
+            into.append(dest)
+            offset += sizes[i]
+        return into, parts
 
     def post() -> None:
         nonlocal next_chunk
         chunk = chunks[next_chunk]
-        into = direct(chunk)
-        if into is not None:
+        found = direct(chunk)
+        if found is not None:
             assert receive_parts is not None
-            parts = [_as_bytes(t) for t in into]
+            into, parts = found
             pending.append((chunk, into, receive_parts(parts) if chunk_bytes[next_chunk] else None))
             next_chunk += 1
             return

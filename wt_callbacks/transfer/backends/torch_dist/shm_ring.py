@@ -210,7 +210,9 @@ class ShmRing:
         packing it: the ring copies straight from the parameters, and a
         byte is copied once on the trainer instead of twice. A ``CastPart``
         contributes its tensor's values in its dtype; it must start at an
-        offset of the broadcast aligned to that dtype's size.
+        offset of the broadcast aligned to that dtype's size. On a worker the
+        parts are where the bytes land, and a ``CastPart`` takes them as
+        values of its dtype, converted into its tensor's.
         """
         for part in parts:
             tensor = part.tensor if isinstance(part, CastPart) else part
@@ -340,9 +342,12 @@ class ShmRing:
                     f"expected {size}: trainer and worker disagree on the tensors of the round"
                 )
             slot_address = self._first_slot + slot * self.slot_bytes
-            for address, offset, n in segments:
-                assert isinstance(address, int), "a worker receives into plain buffers"
-                ctypes.memmove(address, slot_address + offset, n)
+            for source, offset, n in segments:
+                if isinstance(source, CastPart):
+                    start = self._header_bytes + slot * self.slot_bytes + offset
+                    source.tensor.copy_(self.mem[start : start + n].view(source.dtype))
+                else:
+                    ctypes.memmove(source, slot_address + offset, n)
             _fence()
             words[done + slot] = seq
 
