@@ -34,6 +34,7 @@ from wt_callbacks.transfer.backends.torch_dist import (
     TorchDistTrainerInitInfo,
     TorchDistWeightTransferEngine,
     TorchDistWeightTransferUpdateInfo,
+    TransferGroup,
 )
 from wt_callbacks.transfer.base import finish_with_version
 from wt_callbacks.transfer.clients import assign_rank_offsets
@@ -285,6 +286,29 @@ def test_receive_buffers_rotate_only_for_a_loader_that_copies(loader_copies):
         kept = [t if not loader_copies else t.clone() for t in received]
         assert all(torch.equal(a, b) for a, b in zip(kept, tensors))
         assert len(cache) == (3 if loader_copies else len(payloads))
+
+
+def test_a_broadcast_that_completes_as_a_wait_slice_runs_out_is_received():
+    """A worker waits on a gloo broadcast in slices; a broadcast completing
+    between a slice's timeout and the check after it succeeded, and is not
+    failed with the slice's "Operation timed out!". A real gloo broadcast
+    cannot be made to land in that window on demand, hence the stand-in work."""
+
+    class CompletesAsTheSliceRunsOut:
+        completed = False
+
+        def wait(self, timeout=None):
+            if timeout is not None and not self.completed:
+                self.completed = True  # it completes right after this slice timed out
+                raise RuntimeError("Operation timed out!")
+            return True
+
+        def is_completed(self):
+            return self.completed
+
+    group = TransferGroup.__new__(TransferGroup)
+    group.transport, group.store = "gloo", None
+    group.wait_received(CompletesAsTheSliceRunsOut())  # returns: the broadcast arrived
 
 
 def test_a_chunk_whose_every_tensor_has_a_destination_is_received_straight_into_them():

@@ -208,8 +208,12 @@ class TransferGroup:
                 work.wait(WAIT_SLICE)
                 return
             except RuntimeError:
-                if work.is_completed():  # the broadcast itself failed, not the slice
-                    raise
+                if work.is_completed():
+                    # It failed, or completed just after the slice ran out
+                    # (the slice's "Operation timed out!" is then no failure
+                    # of it): waiting on a completed work gives its own outcome.
+                    work.wait()
+                    return
             if self._trainer_left():
                 raise WeightTransferError("the trainer left the transfer group in the middle of a broadcast")
 
