@@ -34,13 +34,12 @@ import requests
 import torch
 import torch.distributed as dist
 
-from tests.support.faults import FULL_MATRIX, FaultProxy, FaultTable, FaultyClient, ReceiverForks
+from tests.support.faults import FULL_MATRIX, FaultProxy, FaultTable, FaultyClient, ReceiverForks, fault_round
 from tests.support.transfer import InterruptingSource
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import models
 from wt_callbacks.demos.multiprocess import free_port
-from wt_callbacks.demos.receiver_process import receiver_checksums
 from wt_callbacks.sync import Collectives, WeightSync
 from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, WeightTransferError
 from wt_callbacks.transfer.base import CLEANUP_TIMEOUT_S
@@ -120,23 +119,10 @@ def run_cell(forks: ReceiverForks, fault: str, phase: str, on_error: str) -> tup
         "kill": receiver.kill, "freeze": receiver.freeze, "5xx": lambda: proxy.fail_next(route),
     }[fault]  # fmt: skip
     try:
-        if phase != "connect":
-            ws.setup(model)
-        if phase in MID_STREAM and fault != "5xx":
-            ws.engine.source = InterruptingSource(ws.engine.source, lambda: client.strike_now(strike), after=30)
-        else:
-            client.strike_before(route, strike)
-        round_ = (lambda: ws.setup(model)) if phase == "connect" else (lambda: ws.sync(1))
-        if on_error == "raise":
-            with pytest.raises(WeightTransferError) as failure:
-                round_()
-            outcome = f"raised ({str(failure.value).split(': ', 3)[-1][:60]})"
-        else:
-            assert round_() is None and ws.engine is None
-            outcome = "warned"
-        assert client.struck_at is not None, "the fault never struck"
-        detected = time.monotonic() - client.struck_at
-        assert detected < RAISE_BOUND_S, f"{fault} at {phase}: the round ended {detected:.1f} s after the fault"
+        detected, outcome = fault_round(
+            ws, client, model, fault=fault, phase=phase, strike=strike, mid_stream=phase in MID_STREAM and fault != "5xx",
+            route=route, after=30, on_error=on_error, bound_s=RAISE_BOUND_S,
+        )  # fmt: skip
 
         if fault == "freeze":
             receiver.thaw()

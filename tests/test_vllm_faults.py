@@ -42,7 +42,6 @@ import copy
 import json
 import multiprocessing
 import os
-import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -53,7 +52,7 @@ import pytest
 import requests
 import torch
 
-from tests.support.faults import FULL_MATRIX, FaultTable, FaultyClient
+from tests.support.faults import FULL_MATRIX, FaultTable, FaultyClient, fault_round
 from tests.support.transfer import InterruptingSource
 from tests.support.vllm import SHARED_API_KEY as KEY
 from tests.support.vllm import SharedVLLMServer
@@ -288,23 +287,10 @@ def run_cell(
     strike: Callable[[], None] = shared.kill if fault == "kill" else lambda: shared.signal(signal.SIGSTOP)
     try:
         try:
-            if phase != "connect":
-                ws.setup(new)
-            if phase in MID_STREAM:
-                ws.engine.source = InterruptingSource(ws.engine.source, lambda: client.strike_now(strike), after=STRIKE_AFTER)
-            else:
-                client.strike_before(ROUTES[phase], strike)
-            round_ = (lambda: ws.setup(new)) if phase == "connect" else (lambda: ws.sync(1))
-            if on_error == "raise":
-                with pytest.raises(WeightTransferError) as failure:
-                    round_()
-                outcome = f"raised ({re.sub(r' ?https?://[^/ ]+', ' ', str(failure.value))[:60].strip()})"
-            else:
-                assert round_() is None and ws.engine is None
-                outcome = "warned"
-            assert client.struck_at is not None, "the fault never struck"
-            detected = time.monotonic() - client.struck_at
-            assert detected < RAISE_BOUND_S, f"{fault} at {phase}: the round ended {detected:.1f} s after the fault"
+            detected, outcome = fault_round(
+                ws, client, new, fault=fault, phase=phase, strike=strike, mid_stream=phase in MID_STREAM,
+                route=ROUTES.get(phase, "update_weights"), after=STRIKE_AFTER, on_error=on_error, bound_s=RAISE_BOUND_S,
+            )  # fmt: skip
         finally:
             if fault == "freeze":
                 shared.signal(signal.SIGCONT)

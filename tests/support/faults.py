@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -225,6 +226,54 @@ class FaultyClient:
             return attr(*args, **kwargs)
 
         return call
+
+
+def fault_round(
+    ws: Any,
+    client: FaultyClient,
+    model: Any,
+    *,
+    fault: str,
+    phase: str,
+    strike: Callable[[], None],
+    mid_stream: bool,
+    route: str,
+    after: int,
+    on_error: str,
+    bound_s: float,
+) -> tuple[float, str]:
+    """One round of ``ws`` (a ``WeightSync`` over ``client``) with ``fault``:
+    set up first unless it strikes at ``connect``; ``strike`` runs between two
+    tensors (``mid_stream``: before the source yields tensor ``after``) or just
+    before the call ``route``. Under ``on_error="raise"`` the round must
+    raise, under ``"warn"`` return ``None`` and drop its engine, within
+    ``bound_s`` of the strike. Returns the seconds from the strike to the end
+    of the round and ``"raised (<the error>)"`` or ``"warned"``."""
+    from tests.support.transfer import InterruptingSource
+    from wt_callbacks.transfer import WeightTransferError
+
+    if phase != "connect":
+        ws.setup(model)
+    if mid_stream:
+        ws.engine.source = InterruptingSource(ws.engine.source, lambda: client.strike_now(strike), after=after)
+    else:
+        client.strike_before(route, strike)
+    round_ = (lambda: ws.setup(model)) if phase == "connect" else (lambda: ws.sync(1))
+    if on_error == "raise":
+        try:
+            round_()
+        except WeightTransferError as e:
+            # The error without the servers' URLs, which differ from run to run.
+            outcome = f"raised ({re.sub(r' ?https?://[^/ ]+', ' ', str(e))[:60].strip()})"
+        else:
+            raise AssertionError(f"{fault} at {phase}: the round did not raise")
+    else:
+        assert round_() is None and ws.engine is None
+        outcome = "warned"
+    assert client.struck_at is not None, "the fault never struck"
+    detected = time.monotonic() - client.struck_at
+    assert detected < bound_s, f"{fault} at {phase}: the round ended {detected:.1f} s after the fault"
+    return detected, outcome
 
 
 @dataclass
