@@ -98,6 +98,13 @@ def test_bf16_wire(receiver_proc, factory):
         engine.send_weights("bf16")
         assert receiver_checksums(receiver.url) == module_checksums(model, via_dtype=torch.bfloat16)
         assert engine.last_stats.bytes == sum(p.numel() * 2 for p in model.parameters())
+        # The receiver reports what arrived, bf16 bytes, also for tensors it
+        # converted into its fp32 spares as they came out of the ring.
+        wire_mb = f"{sum(p.numel() * 2 for p in model.parameters()) / 1e6:.1f} MB"
+        deadline = time.monotonic() + 10
+        while f"weight update bf16: {len(list(model.parameters()))} tensors, {wire_mb}" not in receiver.log:
+            assert time.monotonic() < deadline, receiver.log[-2000:]
+            time.sleep(0.1)
     finally:
         engine.shutdown()
 

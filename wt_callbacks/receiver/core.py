@@ -68,6 +68,9 @@ class StagedWeights:
         self._expected = {o.name: o for g in groups for o in g.outputs}
         self._spares = spares if spares is not None else {}
         self._staged: dict[str, torch.Tensor] = {}
+        # The wire dtype of the tensors received straight into their spares:
+        # ``bytes`` counts what arrived, not the spare's size.
+        self._received_as: dict[str, torch.dtype] = {}
         self.tensors = 0
         self.bytes = 0
 
@@ -104,7 +107,10 @@ class StagedWeights:
         spare = self._spare(name)
         convertible = spare.dtype == dtype or (spare.dtype.is_floating_point and dtype.is_floating_point)
         fits = convertible and tuple(spare.shape) == tuple(shape) and spare.is_contiguous()
-        return spare if fits else None
+        if not fits:
+            return None
+        self._received_as[name] = dtype
+        return spare
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
@@ -112,11 +118,14 @@ class StagedWeights:
                 if name not in self._expected:
                     raise ValueError(f"parameter {name!r} is not in the served model")
                 spare = self._spare(name)
-                if tensor is not spare:  # not received straight into it
+                wire = tensor.dtype
+                if tensor is spare:  # received straight into it
+                    wire = self._received_as[name]
+                else:
                     spare.copy_(tensor)
                 self._staged[name] = spare
                 self.tensors += 1
-                self.bytes += tensor.numel() * tensor.element_size()
+                self.bytes += tensor.numel() * wire.itemsize
 
     def _spare(self, name: str) -> torch.Tensor:
         """The spare for checkpoint tensor ``name``: shaped like the parameter
