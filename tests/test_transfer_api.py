@@ -343,6 +343,39 @@ def test_a_chunk_whose_every_tensor_has_a_destination_is_received_straight_into_
     assert [i for i, (r, d) in enumerate(zip(received, destinations)) if r is d] == sorted(direct)
 
 
+def test_rotating_buffers_stay_apart_when_some_chunks_are_received_into_destinations():
+    """Chunks received straight into their destinations leave their rotating
+    slot unused; the chunks that come in buffers still never share one (the
+    third chunk, in a buffer, is the largest: its buffer would fit any other)."""
+    tensors = [torch.full((n,), float(i)) for i, n in enumerate([3, 5, 2, 9, 20, 1, 6, 2, 7, 3])]
+    nbytes = [t.numel() * 4 for t in tensors]
+    chunks = plan_chunks(nbytes, 16)
+    payloads = [torch.cat([tensors[i].view(torch.uint8) for i in chunk]) for chunk in chunks]
+    destinations: list[torch.Tensor | None] = [None] * len(tensors)
+    for i in [*chunks[0], *chunks[1]]:  # the first two chunks go straight in
+        destinations[i] = torch.empty(tensors[i].shape)
+    cache: list[torch.Tensor] = []
+    for _ in range(2):
+        posted = iter(payloads)
+
+        def broadcast(buf):
+            buf.copy_(next(posted))  # the data lands when the receive is posted
+
+        def receive_parts(parts):
+            data, offset = next(posted), 0
+            for part in parts:
+                part.copy_(data[offset : offset + part.numel()])
+                offset += part.numel()
+
+        received = receive_packed(
+            [(torch.float32, [t.numel()]) for t in tensors], buffer_size_bytes=16, num_buffers=2,
+            broadcast=broadcast, wait=lambda work: None, buffers=cache, loader_copies=True,
+            destinations=destinations, receive_parts=receive_parts,
+        )  # fmt: skip
+        kept = [t.clone() for t in received]
+        assert all(torch.equal(a, b) for a, b in zip(kept, tensors))
+
+
 @pytest.mark.parametrize("transport", ["pack buffer", "parts"])
 def test_packing_casts_to_the_wire_dtype_as_it_copies(transport):
     """Tensors in another dtype than their wire dtype arrive as if cast first,

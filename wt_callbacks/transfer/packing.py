@@ -299,6 +299,8 @@ def receive_packed(
     slots = max(num_buffers, 1) + 1 if loader_copies else len(chunks)
     capacities = slot_capacities(sizes, chunks, slots)
     cache: list[torch.Tensor] | None = buffers
+    if cache is not None:
+        del cache[slots:]  # what a larger round before this one cached
     pending: list[tuple[range, torch.Tensor | list[torch.Tensor], Any]] = []
     next_chunk = 0
 
@@ -339,8 +341,10 @@ def receive_packed(
         else:
             buf = torch.empty(capacities[slot], dtype=torch.uint8, device=device)
             if cache is not None:
-                del cache[slot:]
-                cache.append(buf)
+                # Slot i is cache[i] even when earlier slots went unused (their
+                # chunks were received straight into their destinations).
+                cache.extend(torch.empty(0, dtype=torch.uint8) for _ in range(slot + 1 - len(cache)))
+                cache[slot] = buf
         buf = buf[:size]
         # The sender never sends an empty chunk (only zero-size tensors).
         pending.append((chunk, buf, broadcast(buf) if size else None))
