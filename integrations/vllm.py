@@ -80,7 +80,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
     )
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    from wt_callbacks.integrations.vllm_reload import ReloadGuard
+    from wt_callbacks.integrations.vllm_reload import ReloadGuard, processing_deferred
     from wt_callbacks.transfer.backends.torch_dist import TorchDistWeightTransferEngine
 
     class VLLMTorchDistWeightTransferEngine(TorchDistWeightTransferEngine):
@@ -96,17 +96,18 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
         naming the served parameter, when a layer was not updated).
         Receiving and loading are the base engine's.
 
-        A failed ``update_weights`` puts the old tensors back into every layer
-        it had not completed, so the server keeps generating instead of
-        running on the meta tensors layerwise reload leaves behind: vLLM ends
-        the update on any exception (``_weight_update_active=False``) without
-        finalizing, so a later finish would not restore them, and the next
-        start would save meta tensors as the "old" ones. That holds for an
-        update refused before anything was received too (a malformed or
-        foreign update_info, a mismatched model): it ends vLLM's update but
-        not our transfer session, so the trainer's next round works. Layers
-        completed before a mid-stream failure already hold the new weights:
-        push again.
+        An update is all or nothing: layers are processed (their new weights
+        written into the served tensors) only once all of its tensors have
+        arrived (``processing_deferred``). A failed ``update_weights`` puts
+        the old tensors back into every layer, so the server keeps
+        generating, on its previous weights, instead of running on the meta
+        tensors layerwise reload leaves behind: vLLM ends the update on any
+        exception (``_weight_update_active=False``) without finalizing, so a
+        later finish would not restore them, and the next start would save
+        meta tensors as the "old" ones. That holds for an update refused
+        before anything was received too (a malformed or foreign
+        update_info, a mismatched model): it ends vLLM's update but not our
+        transfer session, so the trainer's next round works.
         """
 
         def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
@@ -186,7 +187,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             # (its shape asserts do not).
             self.model = tracker
             try:
-                with disable_mtp_completeness_check():
+                with disable_mtp_completeness_check(), processing_deferred():
                     super().receive_weights(update_info)
             except Exception as e:
                 if tracker.last is None:
@@ -202,7 +203,8 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 self.model = model
 
         def _abandon_reload(self) -> None:
-            """Undo layerwise reload for the layers this round did not complete."""
+            """Undo layerwise reload for the layers this round did not process
+            (all of them, unless processing itself failed part way)."""
             self._polls.exit()
             processed = self._guard.processed_layers()
             for layer in self.model.modules():

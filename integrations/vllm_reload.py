@@ -34,11 +34,15 @@ never on an architecture:
   compared with that trace: an incomplete layer gets its previous weights
   back and the round fails naming the first served parameter not updated.
 
-What a failure keeps: a round refused before streaming keeps every previous
-weight; one found incomplete at finish, or cut mid-stream, keeps the
-previous weights of the layers it did not complete, while layers it did
-complete hold the new ones (push again). Keeping all of them in every case
-would mean holding a second copy of the processed model during a round.
+What a failure keeps: every previous weight, for a round refused before
+streaming and for one cut mid-stream, since layers completed while an
+update streams are processed only once all of its tensors have arrived
+(``processing_deferred``). A round found incomplete at finish keeps the
+previous weights of the layers it did not complete, while the layers it did
+complete hold the new ones (push again): by then the update had ended and
+its layers were processed. The check before streaming refuses such a round
+whenever the served checkpoint is local safetensors, so this is the case of
+a checkpoint without them.
 
 All of this reaches into vLLM's reload internals; ``missing_reload_internals``
 names what a vLLM version lacks, and the engine refuses to start without them
@@ -51,6 +55,7 @@ import json
 import logging
 import struct
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,6 +227,47 @@ class LiveParameters:
     def put_back(self) -> None:
         for layer, attr, p in self.entries:
             layer._parameters[attr] = p
+
+
+# --------------------------------------------------------------------------- #
+# Processing deferred to the end of an update
+# --------------------------------------------------------------------------- #
+
+
+@contextmanager
+def processing_deferred() -> Iterator[None]:
+    """Layers that complete while an update streams are processed (their new
+    weights copied into the served tensors) only once every tensor of the
+    update has been received, in the order they completed; if the body
+    raises, none is, and every layer still holds its previous weights.
+
+    Layerwise reload processes a layer the moment its last element arrives,
+    so a round cut mid-stream would keep the layers it completed new and
+    serve a mix. On CPU waiting costs no memory the worker does not hold
+    anyway: a completed layer's buffered tensors are views of the receive
+    buffers, which keep a whole round (every chunk has its own, since
+    layerwise reload keeps views, and they are kept between rounds). On a
+    GPU (``transport="nccl"``) the chunks of an update stay in device memory
+    until it ends, where a layer's chunks were freed once it was processed:
+    up to one more copy of the model in the wire dtype. What it costs in
+    time is the overlap of processing with receiving.
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    real_process = layerwise._layerwise_process
+    completed: dict[int, tuple[torch.nn.Module, Any]] = {}
+
+    def defer(layer: torch.nn.Module, info: Any) -> None:
+        completed.setdefault(id(layer), (layer, info))
+
+    layerwise._layerwise_process = defer
+    try:
+        yield
+    finally:
+        layerwise._layerwise_process = real_process
+    for layer, info in completed.values():
+        real_process(layer, info)
+        layerwise.LOADING_LAYERS.discard(layer)
 
 
 # --------------------------------------------------------------------------- #

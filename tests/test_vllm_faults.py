@@ -16,12 +16,10 @@ With ``on_error="raise"`` the round raises within ``RAISE_BOUND_S``; with
 (same URL; a killed server is restarted) delivers logprobs within
 ``FP32_ATOL`` of the trainer's. After a freeze vLLM must serve the old
 weights or answer with an error, or, when every tensor may have arrived, the
-whole new round; never a mix (``HalfAppliedUpdate``). Mid-stream it does
-serve a mix today, a known gap of the plugin's layerwise reload (a layer's
-new weights go into the served tensors once the layer is complete, and a cut
-round keeps them): those cells are expected to fail with
-``HalfAppliedUpdate`` and nothing else, and still check detection and the
-next round. A killed server comes back on its checkpoint.
+whole new round; never a mix (``HalfAppliedUpdate``): mid-stream, where
+layerwise reload alone would keep the layers a cut round completed, the
+plugin processes layers only once the whole update arrived. A killed server
+comes back on its checkpoint.
 
 CI runs a covering subset (``WT_FAULT_MATRIX=full``, as in test_faults, runs
 every cell): a vLLM cell is dear, a kill costs a server restart (30-60 s)
@@ -315,19 +313,7 @@ def run_cell(
         ws.close()
 
 
-HALF_APPLIED_MID_STREAM = pytest.mark.xfail(
-    raises=HalfAppliedUpdate,
-    reason="known gap (integrations/vllm_reload.py): layerwise reload copies each layer's new weights into the "
-    "served tensors as soon as the layer is complete, and a round cut mid-stream keeps them",
-)  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("fault", "phase", "on_error"),
-    [pytest.param(*cell, marks=[HALF_APPLIED_MID_STREAM] if cell[0] == "freeze" and cell[1] in MID_STREAM else [])
-     for cell in CELLS],
-    ids=[f"{f}-{p.replace(' ', '-')}-{m}" for f, p, m in CELLS],
-)  # fmt: skip
+@pytest.mark.parametrize(("fault", "phase", "on_error"), CELLS, ids=[f"{f}-{p.replace(' ', '-')}-{m}" for f, p, m in CELLS])
 def test_vllm_server_fault(vllm_server, table, trainer_model, prompts, fault, phase, on_error):
     detected, outcome, half_applied = run_cell(vllm_server, fault, phase, on_error, trainer_model, prompts)
     table.add(f"vLLM {fault} @ {phase}", on_error, detected, outcome)
