@@ -260,7 +260,7 @@ def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, t
             assert time.monotonic() < deadline, "vLLM did not serve again after the trainer died"
             time.sleep(0.2)
     serving_after = time.time() - died
-    assert serving_after < TIMEOUT_S + 10.0, serving_after
+    assert serving_after < TIMEOUT_S, serving_after  # the worker saw the trainer exit: not its timeout
     outcome = _holds_old_or_errors(vllm, old, prompts)
     table.add("vLLM: trainer rank 0 killed @ mid-stream", "raise", serving_after,
               f"vLLM left the update, {outcome} once resumed")  # fmt: skip

@@ -67,6 +67,63 @@ flag. 20 missed beats: a trainer whose Python threads starve for 10 s is
 treated as dead."""
 
 
+EXIT_CHECK_INTERVAL_S = 0.05
+"""How often a waiting worker checks that the trainer process still runs."""
+
+
+class TrainerProcess:
+    """The trainer process (rank 0), as a worker on its host can tell that it exited.
+
+    A killed trainer sets no abort flag, and its heartbeat is only missed
+    after ``HEARTBEAT_TIMEOUT_S``; but a worker that sees the trainer's
+    process table can tell at once: ``/proc/<pid>/stat`` gone, a zombie, or
+    another process with that pid (its start time differs). That holds only
+    in the trainer's pid namespace (``/proc/self/ns/pid`` identifies it): a
+    worker in another one (a container sharing ``/dev/shm`` but not pids)
+    cannot check and relies on the heartbeat.
+    """
+
+    def __init__(self, identity: dict[str, int]) -> None:
+        self.pid, self.started = identity["pid"], identity["started"]
+
+    @staticmethod
+    def identity() -> dict[str, int] | None:
+        """This process's pid, start time and pid namespace, for the ring offer
+        (``None`` without ``/proc``)."""
+        try:
+            return {"pid": os.getpid(), "started": _start_time(os.getpid()), "pid_ns": _pid_namespace()}
+        except (OSError, ValueError, IndexError):
+            return None
+
+    @classmethod
+    def checkable(cls, identity: dict[str, int] | None) -> TrainerProcess | None:
+        """The offered trainer, if this process can check on it."""
+        try:
+            if identity and identity["pid_ns"] == _pid_namespace() and _start_time(identity["pid"]) == identity["started"]:
+                return cls(identity)
+        except (OSError, ValueError, IndexError, KeyError, TypeError):
+            pass
+        return None
+
+    def exited(self) -> bool:
+        try:
+            return _start_time(self.pid) != self.started
+        except (OSError, ValueError, IndexError):
+            return True
+
+
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot), ``None``
+    for a zombie or a dead process being reaped; raises if there is none."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        fields = stat.read().rpartition(b")")[2].split()  # the name in parentheses may hold spaces
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
 _FENCE_LOCK = threading.Lock()
 
 
@@ -168,11 +225,12 @@ class ShmRing:
     the peer needs the core) and is bounded by ``timeout_s``, by the abort
     flag that ``close`` sets on any rank (so a peer waiting on a rank that
     left fails at once, like gloo's abort), and on the workers by the
-    trainer's heartbeat (``HEARTBEAT_TIMEOUT_S``).
+    trainer's heartbeat (``HEARTBEAT_TIMEOUT_S``) and, where a worker can
+    see it (``trainer``), by the trainer process's exit.
     """
 
     def __init__(self, mem: torch.Tensor, *, rank: int, world_size: int, slots: int, slot_bytes: int,
-                 timeout_s: float) -> None:  # fmt: skip
+                 timeout_s: float, trainer: TrainerProcess | None = None) -> None:  # fmt: skip
         words, header_bytes, nbytes = _ring_layout(world_size, slots, slot_bytes)
         if mem.numel() != nbytes:
             raise ValueError(f"the ring mapping has {mem.numel()} bytes, the layout needs {nbytes}")
@@ -180,6 +238,7 @@ class ShmRing:
         self.rank, self.world_size = rank, world_size
         self.slots, self.slot_bytes = slots, slot_bytes
         self.timeout_s = timeout_s
+        self.trainer = trainer
         self.words = (ctypes.c_int64 * words).from_address(mem.data_ptr())
         self._header_bytes = header_bytes
         self._first_slot = mem.data_ptr() + header_bytes
@@ -353,7 +412,7 @@ class ShmRing:
 
     def _wait_until(self, ready: Callable[[], bool], what: str) -> None:
         words = self.words
-        start = beat_seen = time.monotonic()
+        start = beat_seen = checked = time.monotonic()
         beat = words[_HEARTBEAT]
         pause = 2e-5
         while not ready():
@@ -373,6 +432,12 @@ class ShmRing:
                         f"the trainer's heartbeat stopped for {HEARTBEAT_TIMEOUT_S:g} s while this worker "
                         f"waited for {what}: the trainer process died or hung"
                     )
+                if self.trainer is not None and now - checked > EXIT_CHECK_INTERVAL_S:
+                    checked = now
+                    if self.trainer.exited():
+                        raise WeightTransferError(
+                            f"the trainer process (pid {self.trainer.pid}) exited while this worker waited for {what}"
+                        )
             if now - start > self.timeout_s:
                 raise WeightTransferError(f"waited timeout_s={self.timeout_s:g} for {what}")
             time.sleep(pause)
@@ -460,7 +525,10 @@ def offer_ring(store: dist.Store, *, world_size: int, timeout_s: float, fallback
     except (OSError, RuntimeError) as e:
         problems[0] = f"the trainer cannot create it: {type(e).__name__}: {e}"
     try:
-        offer = {"path": path if ring is not None else "", "slots": SHM_SLOTS, "slot_bytes": SHM_SLOT_BYTES}
+        offer = {
+            "path": path if ring is not None else "", "slots": SHM_SLOTS, "slot_bytes": SHM_SLOT_BYTES,
+            "trainer": TrainerProcess.identity(),
+        }  # fmt: skip
         store.set("shm/ring", json.dumps(offer))
         if ring is not None:
             keys = [f"shm/mapped/{r}" for r in range(1, world_size)]
@@ -505,7 +573,8 @@ def join_ring(store: dist.Store, *, rank: int, world_size: int, timeout_s: float
         try:
             _, _, nbytes = _ring_layout(world_size, offer["slots"], offer["slot_bytes"])
             ring = ShmRing(_map_ring_file(offer["path"], nbytes), rank=rank, world_size=world_size,
-                           slots=offer["slots"], slot_bytes=offer["slot_bytes"], timeout_s=timeout_s)  # fmt: skip
+                           slots=offer["slots"], slot_bytes=offer["slot_bytes"], timeout_s=timeout_s,
+                           trainer=TrainerProcess.checkable(offer.get("trainer")))  # fmt: skip
             nonce = secrets.randbits(62) + 1
             ring.words[_HELLO + rank] = nonce
             _fence()
