@@ -19,9 +19,11 @@ before each sync and syncs them into the server by:
   update over the configured transport, finish, all through vLLM's RL
   routes), as a trainer does. The server call times of start / update /
   finish are recorded too, and from the server's log the worker's own view
-  of the update: the seconds it spent receiving and loading, and how much
-  of that it waited for the trainer's data (the rest is vLLM's loading,
-  which a reload does too).
+  of the update: the seconds it spent receiving (handing each tensor to
+  vLLM's loader as it arrives) and how much of that it waited for the
+  trainer's data, then the seconds it took to apply the update (vLLM's
+  processing of every layer, which a reload does too, and which our
+  plugin runs once the whole update has arrived).
 * **reload**, what a user of vLLM 0.32 would do otherwise: ``save_pretrained``
   (safetensors) into a directory, then ``POST /collective_rpc {"method":
   "reload_weights", "kwargs": {"weights_path": DIR}}``. Timed as save + RPC.
@@ -126,20 +128,24 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
 
 
 WORKER_LINE = re.compile(
-    r"wt_callbacks update_weights: \d+ tensors, [\d.]+ MB received and loaded in ([\d.]+) s "
-    r"\(([\d.]+) s of it waiting for the trainer's data\)"
+    r"wt_callbacks update_weights: \d+ tensors, [\d.]+ MB received in ([\d.]+) s "
+    r"\(([\d.]+) s of it waiting for the trainer's data\), applied in ([\d.]+) s"
 )
 """The line our vLLM worker engine logs after every update (``integrations/vllm.py``)."""
 
 
 def worker_seconds(log: Path, offset: int) -> tuple[int, dict[str, float] | None]:
-    """The worker's ``received and loaded`` / ``waiting`` seconds of the last
-    update logged after byte ``offset`` of the server log, and the new offset."""
+    """The worker's ``received`` / ``waiting`` / ``applied`` seconds of the
+    last update logged after byte ``offset`` of the server log, and the new
+    offset."""
     with open(log, "rb") as f:
         f.seek(offset)
         text = f.read().decode(errors="replace")
     found = WORKER_LINE.findall(text)
-    stats = {"load_s": float(found[-1][0]), "waiting_s": float(found[-1][1])} if found else None
+    stats = (
+        {"receive_s": float(found[-1][0]), "waiting_s": float(found[-1][1]), "apply_s": float(found[-1][2])}
+        if found else None
+    )  # fmt: skip
     return offset + len(text.encode()), stats
 
 
@@ -284,13 +290,13 @@ def bench_size(
 
 
 def worker_cell(worker: dict[str, float] | None) -> str:
-    return "-" if worker is None else f"{worker['load_s']:.3f} ({worker['waiting_s']:.3f})"
+    return "-" if worker is None else f"{worker['receive_s']:.3f} ({worker['waiting_s']:.3f}) + {worker['apply_s']:.3f}"
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | params | push config | push s (median / min) | push: start + update + finish s "
-        "| worker: receive + load s (waiting for data s) "
+        "| worker: receive s (waiting for data s) + apply s "
         "| reload s (median / min) | reload: save + rpc s | reload / push "
         "| reload rpc s, interleaved (median) | push / reload rpc "
         "| logprob diff push / reload | other load (cores) |",

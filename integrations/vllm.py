@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from wt_callbacks.integrations import vllm_cpu_tuning
@@ -116,6 +117,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             self._guard = ReloadGuard(model, device, str(self.model_config.model))
             self._reload_begun = False
             self._polls = vllm_cpu_tuning.WorkerPolls()
+            self._applied_s = 0.0
 
         def start_weight_update(self) -> None:
             # Layerwise reload turns every layer into meta tensors until its
@@ -163,11 +165,12 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             if received is None:
                 return
             # The worker's side of where a round's time goes, which a trainer
-            # cannot see: waiting for data vs vLLM's own loading.
+            # cannot see: receiving (and waiting for data) vs vLLM's own
+            # processing of the layers, which waits for the whole update.
             logger.info(
-                "wt_callbacks update_weights: %d tensors, %.1f MB received and loaded in %.3f s "
-                "(%.3f s of it waiting for the trainer's data)",
-                received.tensors, received.bytes / 1e6, received.seconds, received.waiting_s,
+                "wt_callbacks update_weights: %d tensors, %.1f MB received in %.3f s "
+                "(%.3f s of it waiting for the trainer's data), applied in %.3f s",
+                received.tensors, received.bytes / 1e6, received.seconds, received.waiting_s, self._applied_s,
             )  # fmt: skip
 
         def check_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
@@ -189,6 +192,8 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             try:
                 with disable_mtp_completeness_check(), processing_deferred():
                     super().receive_weights(update_info)
+                    received = time.perf_counter()
+                self._applied_s = time.perf_counter() - received
             except Exception as e:
                 if tracker.last is None:
                     raise
