@@ -100,9 +100,10 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
         An update is all or nothing: layers are processed (their new weights
         written into the served tensors) only once all of its tensors have
         arrived (``processing_deferred``). A failed ``update_weights`` puts
-        the old tensors back into every layer, so the server keeps
-        generating, on its previous weights, instead of running on the meta
-        tensors layerwise reload leaves behind: vLLM ends the update on any
+        the old tensors back into every layer it had not processed (every
+        layer, unless vLLM's processing itself failed part way), so the
+        server keeps generating, on its previous weights, instead of running
+        on the meta tensors layerwise reload leaves behind: vLLM ends the update on any
         exception (``_weight_update_active=False``) without finalizing, so a
         later finish would not restore them, and the next start would save
         meta tensors as the "old" ones. That holds for an update refused

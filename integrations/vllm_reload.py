@@ -243,14 +243,18 @@ def processing_deferred() -> Iterator[None]:
 
     Layerwise reload processes a layer the moment its last element arrives,
     so a round cut mid-stream would keep the layers it completed new and
-    serve a mix. On CPU waiting costs no memory the worker does not hold
-    anyway: a completed layer's buffered tensors are views of the receive
-    buffers, which keep a whole round (every chunk has its own, since
-    layerwise reload keeps views, and they are kept between rounds). On a
-    GPU (``transport="nccl"``) the chunks of an update stay in device memory
-    until it ends, where a layer's chunks were freed once it was processed:
-    up to one more copy of the model in the wire dtype. What it costs in
-    time is the overlap of processing with receiving.
+    serve a mix. A packed update on CPU holds no memory the worker does not
+    hold anyway: a completed layer's buffered tensors are views of the
+    receive buffers, which keep a whole round (every chunk has its own,
+    since layerwise reload keeps views, and they are kept between rounds).
+    Where a layer's received tensors used to be freed once it was processed
+    (``packed=False``, or ``transport="nccl"``, whose chunks live in device
+    memory) they now stay until the update ends: up to one more copy of the
+    model in the wire dtype. What it costs in time is the overlap of
+    processing with receiving. A layer loaded again after it completed (a
+    name sent twice) is now loaded again, where vLLM dropped the extra load.
+    The unit is one ``update_weights``: a round split over several keeps
+    what its earlier updates applied.
     """
     from vllm.model_executor.model_loader.reload import layerwise
 

@@ -453,4 +453,4 @@ def test_push_vs_reload_benchmark_smoke(vllm_python, tmp_path):
     push = json.loads(out.read_text())["results"][0]["pushes"]["default"]
     # The worker's own view of the update, from the line it logs after each one.
     worker = push["worker_s"]
-    assert worker is not None and 0 <= worker["waiting_s"] <= worker["receive_s"] and worker["apply_s"] > 0, push
+    assert worker is not None and 0 <= worker["waiting_s"] <= worker["receive_s"] and worker["apply_s"] >= 0, push

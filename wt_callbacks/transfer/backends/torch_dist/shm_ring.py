@@ -89,7 +89,7 @@ class TrainerProcess:
     @staticmethod
     def identity() -> dict[str, int] | None:
         """This process's pid, start time and pid namespace, for the ring offer
-        (``None`` without ``/proc``)."""
+        (``None`` without a ``/proc`` of this pid namespace)."""
         try:
             return {"pid": os.getpid(), "started": _start_time(os.getpid()), "pid_ns": _pid_namespace()}
         except (OSError, ValueError, IndexError):
@@ -106,22 +106,36 @@ class TrainerProcess:
         return None
 
     def exited(self) -> bool:
+        """Only a missing entry counts as an exit: any other failure to read it
+        (out of file descriptors, say) leaves the verdict to the heartbeat."""
         try:
             return _start_time(self.pid) != self.started
-        except (OSError, ValueError, IndexError):
+        except (FileNotFoundError, ProcessLookupError):
             return True
+        except (OSError, ValueError, IndexError):
+            return False
 
 
 def _pid_namespace() -> int:
+    """The inode of this process's pid namespace, once ``/proc`` is known to
+    be this namespace's: a ``/proc`` mounted from another would name other
+    processes by these pids."""
+    with open("/proc/self/stat", "rb") as stat:
+        if int(stat.read().split(maxsplit=1)[0]) != os.getpid():
+            raise ValueError("/proc belongs to another pid namespace")
     return os.stat("/proc/self/ns/pid").st_ino
 
 
 def _start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot), ``None``
-    for a zombie or a dead process being reaped; raises if there is none."""
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot); ``None``
+    once the process is dead but not yet reaped (a zombie whose threads all
+    ended: a leader thread that returned while others run shows ``Z`` too).
+    Raises ``FileNotFoundError`` if there is no such process."""
     with open(f"/proc/{pid}/stat", "rb") as stat:
         fields = stat.read().rpartition(b")")[2].split()  # the name in parentheses may hold spaces
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+    if fields[0] in (b"Z", b"X") and len(os.listdir(f"/proc/{pid}/task")) <= 1:
+        return None
+    return int(fields[19])
 
 
 _FENCE_LOCK = threading.Lock()
