@@ -124,20 +124,20 @@ def test_one_round_reaches_two_receivers(receiver_proc):
 def test_auto_on_loopback_uses_shm_and_unlinks_the_ring_once_mapped(receiver_proc):
     receiver = receiver_proc()
     model = models.tiny_mlp(seed=0)
-    before = ring_files()
+    before = ring_files(created_by=os.getpid())
     client, engine = connect(receiver.url, ModuleSource(model))  # transport: auto
     try:
         assert engine.worker_init_info["transport"] == "shm"
         assert engine.group.transport == "shm"
         # Every rank mapped the ring, so its file is already gone: a crash from
         # here on cannot leak it.
-        assert ring_files() == before
+        assert ring_files(created_by=os.getpid()) == before
         engine.send_weights("auto")
         assert receiver_checksums(receiver.url) == module_checksums(model)
     finally:
         engine.shutdown()
     receiver.stop()
-    assert ring_files() == before
+    assert ring_files(created_by=os.getpid()) == before
 
 
 def test_auto_falls_back_to_gloo_when_a_worker_cannot_map_the_ring(receiver_proc, private_shm, caplog):

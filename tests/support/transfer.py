@@ -22,9 +22,11 @@ TIMEOUT_S = 30.0
 LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
 
 
-def ring_files() -> set[str]:
-    """Our shared-memory ring files in /dev/shm."""
-    return set(glob.glob(os.path.join(SHM_DIR, SHM_NAME_PREFIX + "*")))
+def ring_files(created_by: int | None = None) -> set[str]:
+    """Our shared-memory ring files in /dev/shm; only those of process ``created_by`` if given
+    (tests run in parallel: another test's trainer may hold a ring at the same time)."""
+    creator = "*" if created_by is None else f"{created_by}-*"
+    return set(glob.glob(os.path.join(SHM_DIR, SHM_NAME_PREFIX + creator)))
 
 
 def connect(urls, source: WeightSource, *, api_key: str | None = None, **config):

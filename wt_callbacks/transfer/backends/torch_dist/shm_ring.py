@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_NAME_PREFIX = "wt_callbacks-ring-"
-"""Ring files are ``SHM_DIR/SHM_NAME_PREFIX<random token>``; each exists only
-while the ranks map it (rank 0 unlinks it as soon as every rank reported)."""
+"""Ring files are ``SHM_DIR/SHM_NAME_PREFIX<creator pid>-<random token>``; each
+exists only while the ranks map it (rank 0 unlinks it as soon as every rank
+reported). The pid tells whose a file is when several trainers share a host."""
 SHM_SLOTS = 4
 SHM_SLOT_BYTES = 4 * 1024 * 1024
 """The ring: ``SHM_SLOTS`` slots of ``SHM_SLOT_BYTES`` (16 MiB in all).
@@ -485,7 +486,7 @@ def _unlink_ring(path: str) -> None:
 
 
 def _create_ring_file(nbytes: int) -> str:
-    path = os.path.join(SHM_DIR, SHM_NAME_PREFIX + secrets.token_hex(16))
+    path = os.path.join(SHM_DIR, f"{SHM_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(16)}")
     # 0600: only processes of this user may map the ring (a server running as
     # another user reports that it cannot, and the negotiation handles it).
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
