@@ -235,6 +235,24 @@ class LiveParameters:
 
 
 @contextmanager
+def _layerwise_replaced(**functions: Any) -> Iterator[None]:
+    """vLLM's layerwise reload module with ``functions`` in place of its own of
+    those names for the body, the originals back however it ends. Nothing in
+    vLLM runs concurrently in the worker meanwhile (the engine core waits on
+    the RPC that runs the body), so the swap is safe."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    originals = {name: getattr(layerwise, name) for name in functions}
+    for name, function in functions.items():
+        setattr(layerwise, name, function)
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(layerwise, name, function)
+
+
+@contextmanager
 def processing_deferred() -> Iterator[None]:
     """Layers that complete while an update streams are processed (their new
     weights copied into the served tensors) only once every tensor of the
@@ -264,11 +282,8 @@ def processing_deferred() -> Iterator[None]:
     def defer(layer: torch.nn.Module, info: Any) -> None:
         completed.setdefault(id(layer), (layer, info))
 
-    layerwise._layerwise_process = defer
-    try:
+    with _layerwise_replaced(_layerwise_process=defer):
         yield
-    finally:
-        layerwise._layerwise_process = real_process
     for layer, info in completed.values():
         real_process(layer, info)
         layerwise.LOADING_LAYERS.discard(layer)
@@ -303,8 +318,7 @@ def trace_load(model: torch.nn.Module, metas: list[Meta]) -> LoadTrace:
     """``model.load_weights`` over meta tensors of ``metas``, with layerwise
     reload initialized and nothing loaded yet: layers that complete are
     counted, not processed, and afterwards every layer's reload state is as
-    it was. Nothing in vLLM runs concurrently in the worker meanwhile (the
-    engine core waits on this call), so swapping its two functions is safe."""
+    it was."""
     from vllm.model_executor.model_loader.reload import layerwise
 
     live = LiveParameters(model)
@@ -317,7 +331,7 @@ def trace_load(model: torch.nn.Module, metas: list[Meta]) -> LoadTrace:
     }
     trace = LoadTrace({}, {})
     current: list[str | None] = [None]
-    real_process, real_count = layerwise._layerwise_process, layerwise.get_numel_loaded
+    real_count = layerwise.get_numel_loaded
 
     def count_completed(layer: torch.nn.Module, info: Any) -> None:
         trace.counts[id(layer)] = int(info.load_numel)
@@ -334,13 +348,12 @@ def trace_load(model: torch.nn.Module, metas: list[Meta]) -> LoadTrace:
             yield name, torch.empty(shape, dtype=dtype, device="meta")
         current[0] = None
 
-    layerwise._layerwise_process, layerwise.get_numel_loaded = count_completed, record
     try:
-        model.load_weights(tensors())
+        with _layerwise_replaced(_layerwise_process=count_completed, get_numel_loaded=record):
+            model.load_weights(tensors())
     except Exception as e:  # noqa: BLE001 - the refusal names it
         trace.error, trace.failed_name = f"{type(e).__name__}: {e}".rstrip(": "), current[0]
     finally:
-        layerwise._layerwise_process, layerwise.get_numel_loaded = real_process, real_count
         live.put_back()
         for layer in model.modules():
             info = layerwise.get_layerwise_info(layer)
