@@ -13,5 +13,5 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install --quiet -e ".[dev]"
+bash scripts/install_editable.sh "$VENV/bin/python" ".[dev]"
 "$VENV/bin/python" -c "import torch, wt_callbacks; print(f'venv ready: {\"$VENV\"} (torch {torch.__version__})')"

@@ -72,7 +72,7 @@ sys.exit(0 if here and plugin else 1)
 PYEOF
 then
   echo "installing wt-callbacks (editable, no extras) into $VENV"
-  "$PY" -m pip install --quiet -e .
+  bash scripts/install_editable.sh "$PY"
 fi
 
 if ! out="$(in_venv -c "import vllm, wt_callbacks.integrations.vllm as p; p.register()" 2>&1)"; then

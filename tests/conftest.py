@@ -11,6 +11,31 @@ from wt_callbacks.demos.receiver_process import ReceiverProcess, start_receiver 
 from wt_callbacks.demos.vllm_server import build_toy_model_dir  # noqa: E402
 
 
+VLLM_GROUP = "vllm"
+"""The xdist group of every test that needs the vLLM venv: one worker runs them
+in file order, so the session's shared server is started once (not once per
+worker) and the tests that kill or restart it never race another one using it."""
+
+
+def _uses_vllm(item: pytest.Item) -> bool:
+    return "vllm_python" in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (``scripts/test.sh``) a module runs
+    on one worker (its module-scoped servers start once) and the vLLM tests
+    together on one; they come first, as the longest group, so that the other
+    workers share out everything else meanwhile (with ``--no-loadscope-reorder``
+    xdist hands out groups in this order)."""
+    if config.getoption("dist", "no") == "no":
+        return
+    for item in items:
+        group = VLLM_GROUP if _uses_vllm(item) else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: not _uses_vllm(item))  # stable: file order within each part
+
+
 @pytest.fixture
 def receiver_proc():
     """Factory fixture: start receiver subprocesses, all stopped at teardown."""
@@ -31,7 +56,8 @@ def no_ring_left_behind():
     """Fails the test if it leaves a ring file of ours behind."""
     before = ring_files()
     yield
-    # A rendezvous the trainer gave up on unlinks on its own thread: bounded wait.
+    # A rendezvous the trainer gave up on unlinks on its own thread, and a test
+    # running in parallel may hold a ring for up to its timeout: bounded wait.
     deadline = time.monotonic() + TIMEOUT_S
     while ring_files() - before and time.monotonic() < deadline:
         time.sleep(0.1)
