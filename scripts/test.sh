@@ -28,7 +28,7 @@ fi
 WORKERS="${WT_TEST_WORKERS:-2}"
 parallel=()
 if [ "$WORKERS" -gt 1 ]; then
-  # One module per worker at a time and the vLLM tests together (tests/conftest.py).
+  # A module whole on one worker, the tests on the shared vLLM server together (tests/conftest.py).
   parallel=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder)
 fi
 "$VENV/bin/python" -m pytest -q -rs --durations=30 "${parallel[@]}" "$@"

@@ -11,9 +11,9 @@ from wt_callbacks.demos.receiver_process import ReceiverProcess, start_receiver 
 from wt_callbacks.demos.vllm_server import build_toy_model_dir  # noqa: E402
 
 
-VLLM_GROUP = "vllm"
-"""The xdist group of every test that needs the vLLM venv: one worker runs them
-in file order, so the session's shared server is started once (not once per
+SHARED_SERVER_GROUP = "vllm-shared-server"
+"""The xdist group of every test on the session's shared vLLM server: one
+worker runs them in file order, so the server starts once (not once per
 worker) and the tests that kill or restart it never race another one using it."""
 
 
@@ -24,15 +24,16 @@ def _uses_vllm(item: pytest.Item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``pytest -n N --dist loadgroup`` (``scripts/test.sh``) a module runs
-    on one worker (its module-scoped servers start once) and the vLLM tests
-    together on one; they come first, as the longest group, so that the other
-    workers share out everything else meanwhile (with ``--no-loadscope-reorder``
-    xdist hands out groups in this order)."""
+    whole on one worker (its module-scoped servers start once), and the tests on
+    the shared vLLM server together on one. The tests that start vLLM servers
+    come first: they are the longest groups (a start costs 30-60 s), and the
+    other workers share out everything else meanwhile (with
+    ``--no-loadscope-reorder`` xdist hands out groups in this order)."""
     if config.getoption("dist", "no") == "no":
         return
     for item in items:
-        group = VLLM_GROUP if _uses_vllm(item) else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+        shared = "vllm_server" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group(SHARED_SERVER_GROUP if shared else item.path.name))
     items.sort(key=lambda item: not _uses_vllm(item))  # stable: file order within each part
 
 
