@@ -5,36 +5,27 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.support.transfer import TIMEOUT_S, ring_files  # noqa: E402
+from tests.support.faults import FAULT_TABLES, FAULT_TABLES_KEY  # noqa: E402
+from tests.support.transfer import TIMEOUT_S, ring_files, rings_left_behind  # noqa: E402
 from tests.support.vllm import SharedVLLMServer, vllm_python_or_skip  # noqa: E402
 from wt_callbacks.demos.receiver_process import ReceiverProcess, start_receiver  # noqa: E402
 from wt_callbacks.demos.vllm_server import build_toy_model_dir  # noqa: E402
-
-
-SHARED_SERVER_GROUP = "vllm-shared-server"
-"""The xdist group of every test on the session's shared vLLM server: one
-worker runs them in file order, so the server starts once (not once per
-worker) and the tests that kill or restart it never race another one using it."""
 
 
 def _uses_vllm(item: pytest.Item) -> bool:
     return "vllm_python" in getattr(item, "fixturenames", ())
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``pytest -n N --dist loadgroup`` (``scripts/test.sh``) a module runs
-    whole on one worker (its module-scoped servers start once), and the tests on
-    the shared vLLM server together on one. The tests that start vLLM servers
-    come first: they are the longest groups (a start costs 30-60 s), and the
-    other workers share out everything else meanwhile (with
-    ``--no-loadscope-reorder`` xdist hands out groups in this order)."""
-    if config.getoption("dist", "no") == "no":
+    """On an xdist worker (``scripts/test.sh``: ``-n 2 --dist loadfile
+    --no-loadscope-reorder``) the modules that start vLLM servers come first:
+    they are the longest (a start costs 30-60 s), and xdist hands out modules
+    in this order, so the other worker shares out everything else meanwhile.
+    A plain ``pytest`` run keeps file order."""
+    if not hasattr(config, "workerinput"):
         return
-    for item in items:
-        shared = "vllm_server" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group(SHARED_SERVER_GROUP if shared else item.path.name))
-    items.sort(key=lambda item: not _uses_vllm(item))  # stable: file order within each part
+    vllm_files = {item.path for item in items if _uses_vllm(item)}
+    items.sort(key=lambda item: item.path not in vllm_files)  # stable: file order within each part
 
 
 @pytest.fixture
@@ -57,12 +48,26 @@ def no_ring_left_behind():
     """Fails the test if it leaves a ring file of ours behind."""
     before = ring_files()
     yield
-    # A rendezvous the trainer gave up on unlinks on its own thread, and a test
-    # running in parallel may hold a ring for up to its timeout: bounded wait.
+    # A rendezvous the trainer gave up on unlinks on its own thread: bounded wait.
     deadline = time.monotonic() + TIMEOUT_S
-    while ring_files() - before and time.monotonic() < deadline:
+    left = rings_left_behind(before)
+    while left and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not ring_files() - before
+        left = rings_left_behind(before)
+    assert not left
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """An xdist worker finished: keep the fault tables it could not print."""
+    FAULT_TABLES.extend(node.workeroutput.get(FAULT_TABLES_KEY, []))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for lines in FAULT_TABLES:
+        terminalreporter.write_line("")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +85,8 @@ def vllm_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_server(vllm_python, vllm_model_dir, tmp_path_factory):
     """The session's one fp32 vLLM server with auth on (``SharedVLLMServer``),
-    shared by the e2e and fault tests so that they pay for one start, not one each."""
+    shared by the e2e and fault tests so that they pay for one start, not one
+    each (one per xdist worker that runs them: a worker is its own session)."""
     shared = SharedVLLMServer(vllm_python, vllm_model_dir, tmp_path_factory.mktemp("vllm-shared-logs"))
     yield shared
     shared.stop()

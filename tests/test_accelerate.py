@@ -46,7 +46,7 @@ def launch(tmp_path, *args: str, processes: int = 1, launcher: tuple[str, ...] =
         # with Accelerator(cpu=True) in the script gives two MULTI_CPU ranks.
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", str(processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", APP,
+            "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", APP,
         ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run([*cmd, *args, "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)

@@ -31,7 +31,8 @@ def test_plain_torch_loop(dtype):
 
 def test_accelerate_loop_two_processes_with_the_example_config():
     out = run_example(
-        "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate_config.yaml",
+        # Port 0: a free one, not the default 29500 another test may hold meanwhile.
+        "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate_config.yaml", "--main_process_port", "0",
         "examples/accelerate_loop.py", "--steps", "60",
     )  # fmt: skip
     assert "versions served: ['step-0', 'step-30', 'step-60']" in out

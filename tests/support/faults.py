@@ -276,6 +276,11 @@ def fault_round(
     return detected, outcome
 
 
+FAULT_TABLES_KEY = "wt_fault_tables"
+FAULT_TABLES: list[list[str]] = []
+"""Tables the xdist workers sent (``workeroutput[FAULT_TABLES_KEY]``), printed at the end."""
+
+
 @dataclass
 class FaultTable:
     """Detection time and outcome per cell, printed at the end of the module."""
@@ -286,9 +291,15 @@ class FaultTable:
         self.rows.append((cell, mode, seconds, outcome))
 
     def print(self, config: Any, title: str) -> None:
-        """Onto the terminal, past pytest's output capture."""
+        """Onto the terminal, past pytest's output capture; from an xdist
+        worker (whose output is dropped) to the controller, which prints it
+        in its summary (``tests/conftest.py``)."""
         lines = [title, f"{'cell':<44} {'on_error':<8} {'detected':>9}  outcome"]
         lines += [f"{c:<44} {m:<8} {s:>8.2f}s  {o}" for c, m, s, o in sorted(self.rows)]
+        workeroutput = getattr(config, "workeroutput", None)
+        if workeroutput is not None:
+            workeroutput.setdefault(FAULT_TABLES_KEY, []).append(lines)
+            return
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         with config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
             reporter.write_line("")

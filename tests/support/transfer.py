@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,29 @@ def ring_files(created_by: int | None = None) -> set[str]:
     (tests run in parallel: another test's trainer may hold a ring at the same time)."""
     creator = "*" if created_by is None else f"{created_by}-*"
     return set(glob.glob(os.path.join(SHM_DIR, SHM_NAME_PREFIX + creator)))
+
+
+def _in_tree_of(pid: int, ancestor: int) -> bool | None:
+    """Whether ``pid`` is ``ancestor`` or descends from it; ``None`` once it exited."""
+    while pid > 1 and pid != ancestor:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return None
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's pid
+    return pid == ancestor
+
+
+def rings_left_behind(before: set[str]) -> set[str]:
+    """Ring files that appeared since ``before``, but those of a live process
+    outside this one's tree (a test running in parallel on another worker).
+    A ring whose creator exited is always counted: nothing unlinks it now."""
+    left = set()
+    for path in ring_files() - before:
+        creator = os.path.basename(path).removeprefix(SHM_NAME_PREFIX).split("-", 1)[0]
+        if not creator.isdigit() or _in_tree_of(int(creator), os.getpid()) is not False:
+            left.add(path)
+    return left
 
 
 def connect(urls, source: WeightSource, *, api_key: str | None = None, **config):

@@ -47,7 +47,8 @@ SHM_DIR = "/dev/shm"
 SHM_NAME_PREFIX = "wt_callbacks-ring-"
 """Ring files are ``SHM_DIR/SHM_NAME_PREFIX<creator pid>-<random token>``; each
 exists only while the ranks map it (rank 0 unlinks it as soon as every rank
-reported). The pid tells whose a file is when several trainers share a host."""
+reported). The pid (in the trainer's pid namespace) tells whose a file is
+when several trainers share a host."""
 SHM_SLOTS = 4
 SHM_SLOT_BYTES = 4 * 1024 * 1024
 """The ring: ``SHM_SLOTS`` slots of ``SHM_SLOT_BYTES`` (16 MiB in all).
