@@ -6,32 +6,46 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV="${WT_VENV:-.venv}"
+WORKERS="${WT_TEST_WORKERS:-2}"
+case "$WORKERS" in
+  '' | *[!0-9]*) echo "WT_TEST_WORKERS must be a number of workers, got '$WORKERS'" >&2; exit 2 ;;
+esac
+vllm_pid="" vllm_log=""
+# An interrupted run must not leave a vLLM install going that the next run would race.
+trap '[ -n "$vllm_pid" ] && kill -- "-$vllm_pid" 2>/dev/null; [ -n "$vllm_log" ] && rm -f "$vllm_log"' EXIT
 if [ "${WT_SKIP_VLLM:-0}" != "1" ]; then
   # Both venvs build at once: each install mostly waits on downloads and disk.
   vllm_log="$(mktemp)"
-  bash scripts/vllm_env.sh >"$vllm_log" 2>&1 &
+  setsid bash scripts/vllm_env.sh >"$vllm_log" 2>&1 &  # its own process group: the trap reaches pip too
   vllm_pid=$!
 fi
 bash scripts/setup.sh
 setup_rc=$?
-if [ "${WT_SKIP_VLLM:-0}" != "1" ]; then
+if [ -n "$vllm_pid" ]; then
   wait "$vllm_pid"
   vllm_rc=$?
+  vllm_pid=""
   cat "$vllm_log"
-  rm -f "$vllm_log"
-  [ "$vllm_rc" -eq 0 ] || exit 1
+  if [ "$vllm_rc" -ne 0 ]; then
+    echo "scripts/vllm_env.sh failed (exit $vllm_rc, output above)" >&2
+    exit 1
+  fi
   export WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python"
   # This script installed vLLM: its tests must run, not skip.
   export WT_REQUIRE_VLLM=1
 fi
-[ "$setup_rc" -eq 0 ] || exit 1
-WORKERS="${WT_TEST_WORKERS:-2}"
+if [ "$setup_rc" -ne 0 ]; then
+  echo "scripts/setup.sh failed (exit $setup_rc)" >&2
+  exit 1
+fi
 parallel=()
 if [ "$WORKERS" -gt 1 ]; then
-  # A module whole on one worker, the tests on the shared vLLM server together (tests/conftest.py).
-  parallel=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder)
+  # A module whole on one worker (its module-scoped servers start once), the
+  # modules that start vLLM servers first (tests/conftest.py). Not loadgroup:
+  # pytest-xdist 3.8 cannot tag node ids under pytest 9.2, so its groups are ignored.
+  parallel=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 fi
-"$VENV/bin/python" -m pytest -q -rs --durations=30 "${parallel[@]}" "$@"
+"$VENV/bin/python" -m pytest -q -rs --durations=30 ${parallel[@]+"${parallel[@]}"} "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: treating as a failure" >&2
