@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.faults import FULL_MATRIX, FaultProxy, FaultTable, FaultyClient, ReceiverForks, fault_round
-from tests.support.transfer import InterruptingSource
+from tests.support.transfer import InterruptingSource, wait_until_update_sent
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import models
@@ -201,12 +202,15 @@ def test_connection_refused_while_the_server_restarts(forks, table):
 
 def test_an_update_a_dead_round_left_open_does_not_block_the_next_trainer(forks, table):
     """A trainer that died (or whose clean-up finish was lost while the server
-    was frozen) between start and update leaves the server "already active";
-    the next trainer finishes that update (it holds nothing) and its round
-    delivers."""
+    was frozen) between start and update leaves the server paused and
+    "already active": nothing on the server ends either (vLLM has no lease on
+    a pause). The next trainer finishes that update (it holds nothing), its
+    round delivers, and its resume ends the pause."""
     receiver = forks.start(FACTORY)
     before = receiver.checksums()
-    HTTPVLLMWeightSyncClient(receiver.url, timeout=TIMEOUT_S).start_weight_update()  # the dead round's start
+    dead_round = HTTPVLLMWeightSyncClient(receiver.url, timeout=TIMEOUT_S)
+    dead_round.pause()
+    dead_round.start_weight_update()
     model = models.many_tensors(seed=3)
     ws = weight_sync(receiver.url, None, "raise")
     try:
@@ -217,6 +221,7 @@ def test_an_update_a_dead_round_left_open_does_not_block_the_next_trainer(forks,
     finally:
         ws.close()
     assert before != module_checksums(model) and receiver.checksums() == module_checksums(model)
+    assert dead_round.is_paused() == [False]
     receiver.kill()
 
 
@@ -244,6 +249,8 @@ def _trainer_rank(rank: int, pg_port: int, url: str, out_dir: str, victim: int, 
     (out / f"rank{rank}-round0").write_text(json.dumps(module_checksums(model)))  # a collective: before the kill
 
     def die() -> None:
+        if rank == 0:
+            wait_until_update_sent()
         (out / "death").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -264,23 +271,31 @@ def _trainer_rank(rank: int, pg_port: int, url: str, out_dir: str, victim: int, 
     os._exit(0)
 
 
-def serving_again(url: str, death_file: Path, deadline_s: float) -> dict[str, float]:
+@contextmanager
+def serving_again(url: str, death_file: Path, deadline_s: float) -> Iterator[dict[str, float]]:
     """Watches the receiver from this process: seconds from the trainer's
-    death until it no longer is paused (its round with the dead trainer ended)."""
+    death until it no longer is paused (its round with the dead trainer
+    ended). The watch ends with the block, before its receiver is killed."""
     found: dict[str, float] = {}
+    done = threading.Event()
 
     def watch() -> None:
         deadline = time.monotonic() + deadline_s
-        while not death_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        while time.monotonic() < deadline:
+        while not death_file.exists() and time.monotonic() < deadline and not done.wait(0.01):
+            pass
+        while time.monotonic() < deadline and not done.is_set():
             if death_file.exists() and death_file.read_text() and not requests.get(f"{url}/is_paused", timeout=5).json()["is_paused"]:
                 found["seconds"] = time.time() - float(death_file.read_text())
                 return
-            time.sleep(0.02)
+            done.wait(0.02)
 
-    threading.Thread(target=watch, name="watch-receiver", daemon=True).start()
-    return found
+    watcher = threading.Thread(target=watch, name="watch-receiver", daemon=True)
+    watcher.start()
+    try:
+        yield found
+    finally:
+        done.set()
+        watcher.join(timeout=10)
 
 
 TRAINER_CELLS = [(1, "gloo"), (0, "gloo")] + ([(0, "shm")] if FULL_MATRIX else [])
@@ -297,31 +312,31 @@ def test_trainer_rank_killed(forks, table, tmp_path, victim, transport):
     # gathers left to run when rank 1 dies after its third tensor.
     model_name = "wide_mlp" if victim else "tiny_mlp"
     receiver = forks.start(f"wt_callbacks.demos.models:{model_name}")
-    serving = serving_again(receiver.url, tmp_path / "death", deadline_s=240)
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    ranks = [
-        ctx.Process(target=_trainer_rank, args=(r, port, receiver.url, str(tmp_path), victim, transport, model_name))
-        for r in range(2)
-    ]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=180)
-    for p in ranks:
-        if p.is_alive():
-            p.kill()
-    survivor = 1 - victim
-    assert ranks[victim].exitcode == -signal.SIGKILL
-    assert ranks[survivor].exitcode == 0, f"the surviving rank exited with {ranks[survivor].exitcode}"
-    report = json.loads((tmp_path / f"rank{survivor}.json").read_text())
-    assert report["error"] is not None, "the surviving rank did not raise"
-    assert report["raised_after_s"] < RAISE_BOUND_S, report
-    # The server left the dead trainer's round (old weights) and resumed
-    # generation: on its own when rank 0 died, by rank 0's cleanup otherwise.
-    deadline = time.monotonic() + 10
-    while "seconds" not in serving and time.monotonic() < deadline:
-        time.sleep(0.05)
+    with serving_again(receiver.url, tmp_path / "death", deadline_s=240) as serving:
+        ctx = multiprocessing.get_context("spawn")
+        port = free_port()
+        ranks = [
+            ctx.Process(target=_trainer_rank, args=(r, port, receiver.url, str(tmp_path), victim, transport, model_name))
+            for r in range(2)
+        ]
+        for p in ranks:
+            p.start()
+        for p in ranks:
+            p.join(timeout=180)
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+        survivor = 1 - victim
+        assert ranks[victim].exitcode == -signal.SIGKILL
+        assert ranks[survivor].exitcode == 0, f"the surviving rank exited with {ranks[survivor].exitcode}"
+        report = json.loads((tmp_path / f"rank{survivor}.json").read_text())
+        assert report["error"] is not None, "the surviving rank did not raise"
+        assert report["raised_after_s"] < RAISE_BOUND_S, report
+        # The server left the dead trainer's round (old weights) and resumed
+        # generation: on its own when rank 0 died, by rank 0's cleanup otherwise.
+        deadline = time.monotonic() + 10
+        while "seconds" not in serving and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert serving.get("seconds", float("inf")) < (RAISE_BOUND_S if victim else TIMEOUT_S), serving
     assert receiver.checksums() == json.loads((tmp_path / f"rank{survivor}-round0").read_text())
     cell = f"trainer rank {victim} killed ({'mid-gather' if victim else 'mid-stream ' + transport})"

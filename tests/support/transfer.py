@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -79,3 +82,27 @@ class InterruptingSource(WeightSource):
             if i == self.after:
                 self.act()
             yield item
+
+
+def wait_until_update_sent(timeout_s: float = 30.0) -> None:
+    """Blocks until this ``torch_dist`` trainer's ``update_weights`` request
+    went out whole: a trainer killed after it dies mid-stream for its server.
+
+    The trainer posts it on a thread (``wt-update``) while its main thread
+    already broadcasts, and gloo buffers a small model's tensors in the
+    socket: on a loaded machine a kill between two tensors can come before
+    the request left. The server then never began the round and stays
+    paused, as vLLM does (``test_faults.py::test_an_update_a_dead_round_left_open_does_not_block_the_next_trainer``).
+    A thread waiting for the answer (``getresponse``) has sent the whole request.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        frames = sys._current_frames()
+        for thread in threading.enumerate():
+            frame = frames.get(thread.ident) if thread.name == "wt-update" else None
+            while frame is not None:
+                if frame.f_code.co_name == "getresponse":
+                    return
+                frame = frame.f_back
+        time.sleep(0.001)
+    raise AssertionError(f"the update_weights request did not go out within {timeout_s:g} s")
