@@ -156,6 +156,7 @@ REFUSED = {
     "update: unknown name": "for another weight-transfer session",
     "update: wrong shape": "for another weight-transfer session",
     "update: bad dtype": "dtype_names",
+    "update: a name twice": "twice (at 0 and 1)",
     "update: another session": "for another weight-transfer session",
     "update: no session": "for another weight-transfer session",
     "finish": "without an active weight update",

@@ -695,6 +695,27 @@ def test_receiver_refuses_mismatched_names_before_streaming(receiver):
     engine.shutdown()
 
 
+def test_a_round_that_names_a_tensor_twice_is_refused_before_anything_moves(receiver):
+    """By the trainer, before any call of the round; by the server, for a
+    caller that posts such an update itself."""
+    client = HTTPVLLMWeightSyncClient(receiver.url, timeout=10)
+    weight = torch.ones(4, 4)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        "torch_dist", {"timeout_s": 60}, LOCAL, client=client, source=_ListSource([("weight", weight), ("weight", weight)])
+    )
+    try:
+        with pytest.raises(ValueError, match=r"the weight source's metadata\(\) lists 'weight' twice \(at 0 and 1\)"):
+            engine.send_weights("twice")
+        client.start_weight_update()  # not "already active": the trainer's round never began
+        update = {"names": ["weight", "weight"], "dtype_names": ["float32"] * 2, "shapes": [[4, 4]] * 2,
+                  "session_id": engine.session_id}  # fmt: skip
+        with pytest.raises(WeightSyncHTTPError, match=r"names lists 'weight' twice \(at 0 and 1\)"):
+            client.update_weights(update)
+    finally:
+        engine.shutdown()
+    assert receiver.core.updates_completed == 0
+
+
 def test_receiver_reload_weights_from_safetensors(receiver, tmp_path):
     """vLLM's reload-from-disk RPC: all or nothing, and no version change."""
     from safetensors.torch import save_file

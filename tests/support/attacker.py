@@ -51,6 +51,8 @@ def control_plane(url: str, token: str | None, names: list[str], shapes: list[li
         start,
         ("update: bad dtype", "POST", "update_weights", update(dtype_names=["float99"] * len(names))),
         start,
+        ("update: a name twice", "POST", "update_weights", update(names=[names[0], *names[:-1]])),
+        start,
         ("update: another session", "POST", "update_weights", update(session_id="0" * 64)),
         start,
         ("update: no session", "POST", "update_weights", update()),

@@ -17,6 +17,7 @@ from wt_callbacks.transfer.backends.torch_dist.waits import raise_if_failed, wai
 from wt_callbacks.transfer.backends.torch_dist.wire import (
     TorchDistTrainerConfig,
     TorchDistTrainerInitInfo,
+    check_names_unique,
     update_info_for,
 )
 from wt_callbacks.transfer.base import (
@@ -240,6 +241,8 @@ class TorchDistTrainerWeightTransferEngine(
             )
         start = time.perf_counter()
         metas = self.source.metadata()
+        # Every rank checks the same metadata, so all raise before any gather.
+        check_names_unique((m.name for m in metas), key="the weight source's metadata()")
         # The packing casts whole tensors into the wire dtype as it copies
         # them; the ranks that do not send only iterate for the gathers.
         items = _TimedIterator(self.source.iter_uncast())

@@ -181,10 +181,26 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 f"names, dtype_names and shapes must have equal lengths, got "
                 f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}"
             )
+        check_names_unique(self.names, key="names")
         self.dtypes = [dtype_from_name(n, key=f"dtype_names[{i}]") for i, n in enumerate(self.dtype_names)]
         for i, shape in enumerate(self.shapes):
             if not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise ValueError(f"shapes[{i}] ({self.names[i]}) must be non-negative ints, got {shape}")
+
+
+def check_names_unique(names: Iterable[str], *, key: str) -> None:
+    """Refuse a round that names a tensor twice (``ValueError`` naming it).
+
+    vLLM's layerwise reload counts a layer's received elements: a tensor
+    sent twice makes its layer look complete before the layer's other
+    tensors arrived, or loads it twice. A weight source that lists a name
+    twice is a bug to report before anything moves, not a round to deliver.
+    """
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        j = first.setdefault(name, i)
+        if j != i:
+            raise ValueError(f"{key} lists {name!r} twice (at {j} and {i}); a round sends each tensor once")
 
 
 def update_info_for(metas: Iterable[ParamMeta], *, session_id: str | None = None) -> dict[str, Any]:
