@@ -86,14 +86,17 @@ class InterruptingSource(WeightSource):
 
 def wait_until_update_sent(timeout_s: float = 30.0) -> None:
     """Blocks until this ``torch_dist`` trainer's ``update_weights`` request
-    went out whole: a trainer killed after it dies mid-stream for its server.
+    went out whole (its thread waits for the answer, in ``getresponse``).
 
     The trainer posts it on a thread (``wt-update``) while its main thread
     already broadcasts, and gloo buffers a small model's tensors in the
     socket: on a loaded machine a kill between two tensors can come before
     the request left. The server then never began the round and stays
     paused, as vLLM does (``test_faults.py::test_an_update_a_dead_round_left_open_does_not_block_the_next_trainer``).
-    A thread waiting for the answer (``getresponse``) has sent the whole request.
+    This narrows that race, it does not close it: uvicorn drops a request
+    whose client hung up before the route read its body (1 in 100 for a
+    client killed right after sending), so a kill just after this returns
+    can still come before the server began the round.
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
