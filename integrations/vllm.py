@@ -184,6 +184,8 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 )
 
         def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+            # A round whose trainer died shows in the log only by this line.
+            logger.info("wt_callbacks update_weights: receiving %d tensors", len(update_info.names))
             model = self.model
             tracker = _LoadTracker(model)
             # The base engine loads through ``self.model.load_weights``; the

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.faults import FULL_MATRIX, FaultProxy, FaultTable, FaultyClient, ReceiverForks, fault_round
-from tests.support.transfer import InterruptingSource, wait_until_update_sent
+from tests.support.transfer import InterruptingSource, wait_until_update_began
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import models
@@ -54,6 +54,8 @@ RAISE_BOUND_S = TIMEOUT_S + 2 * min(TIMEOUT_S, CLEANUP_TIMEOUT_S) + 3.0
 """A failed round ends within ``timeout_s`` (detection) + the two bounded
 best-effort calls after it (finish, resume) + 3 s for a loaded machine."""
 FACTORY = "wt_callbacks.demos.models:many_tensors"
+RECEIVING = "weight update: receiving from the trainer"
+"""What the receiver logs when its update route begins a round."""
 ROUTES = {
     "connect": "init_weight_transfer_engine",
     "pause": "pause",
@@ -222,6 +224,7 @@ def test_an_update_a_dead_round_left_open_does_not_block_the_next_trainer(forks,
         ws.close()
     assert before != module_checksums(model) and receiver.checksums() == module_checksums(model)
     assert dead_round.is_paused() == [False]
+    dead_round.close()
     receiver.kill()
 
 
@@ -230,7 +233,9 @@ def test_an_update_a_dead_round_left_open_does_not_block_the_next_trainer(forks,
 # --------------------------------------------------------------------------- #
 
 
-def _trainer_rank(rank: int, pg_port: int, url: str, out_dir: str, victim: int, transport: str, model_name: str) -> None:
+def _trainer_rank(
+    rank: int, pg_port: int, url: str, server_log: str, out_dir: str, victim: int, transport: str, model_name: str
+) -> None:
     """Rank ``victim`` SIGKILLs itself in the middle of the second round; the
     other rank reports when it raised and when the receiver resumed."""
     from torch.distributed.fsdp import fully_shard
@@ -249,8 +254,8 @@ def _trainer_rank(rank: int, pg_port: int, url: str, out_dir: str, victim: int, 
     (out / f"rank{rank}-round0").write_text(json.dumps(module_checksums(model)))  # a collective: before the kill
 
     def die() -> None:
-        if rank == 0:
-            wait_until_update_sent()
+        if rank == 0:  # "mid-stream": the server began this second round
+            wait_until_update_began(server_log, RECEIVING, rounds=2)
         (out / "death").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -316,7 +321,10 @@ def test_trainer_rank_killed(forks, table, tmp_path, victim, transport):
         ctx = multiprocessing.get_context("spawn")
         port = free_port()
         ranks = [
-            ctx.Process(target=_trainer_rank, args=(r, port, receiver.url, str(tmp_path), victim, transport, model_name))
+            ctx.Process(
+                target=_trainer_rank,
+                args=(r, port, receiver.url, str(receiver.log_path), str(tmp_path), victim, transport, model_name),
+            )
             for r in range(2)
         ]
         for p in ranks:

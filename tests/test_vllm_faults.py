@@ -51,7 +51,7 @@ import requests
 import torch
 
 from tests.support.faults import FULL_MATRIX, FaultTable, FaultyClient, fault_round
-from tests.support.transfer import InterruptingSource, wait_until_update_sent
+from tests.support.transfer import InterruptingSource, wait_until_update_began
 from tests.support.vllm import SHARED_API_KEY as KEY
 from tests.support.vllm import SharedVLLMServer
 from tests.test_security import REFUSED, check_refusals
@@ -76,6 +76,8 @@ ROUTES = {
     "finish": "finish_weight_update",
     "resume": "resume",
 }
+RECEIVING = "wt_callbacks update_weights: receiving"
+"""What our vLLM plugin logs when a worker begins receiving a round."""
 MID_STREAM = {"mid-stream shm": {"transport": "shm"}, "mid-stream gloo": {"transport": "gloo"}}
 PHASES = ["connect", "pause", "start", *MID_STREAM, "finish", "resume"]
 PACKED_BUFFER_BYTES = 32 * 1024
@@ -216,8 +218,10 @@ def _holds_old_or_errors(vllm: VLLMServer, old: torch.nn.Module, prompts, new: t
     return "held new (every tensor had arrived)"
 
 
-def _trainer_until_killed(url: str, model_dir: str, out_dir: str) -> None:
-    """Syncs the checkpoint + noise, saves it, then dies in the middle of the next round."""
+def _trainer_until_killed(url: str, model_dir: str, out_dir: str, server_log: str, updates_before: int) -> None:
+    """Syncs the checkpoint + noise, saves it, then dies in the middle of the
+    next round (once vLLM's worker began it: ``updates_before`` rounds
+    already in ``server_log``, then these two)."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -228,7 +232,7 @@ def _trainer_until_killed(url: str, model_dir: str, out_dir: str) -> None:
     torch.save(model.state_dict(), Path(out_dir, "old.pt"))
 
     def die() -> None:
-        wait_until_update_sent()
+        wait_until_update_began(server_log, RECEIVING, rounds=updates_before + 2)
         Path(out_dir, "death").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -246,7 +250,9 @@ def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, t
     # request (2.4 s here): not part of what is measured below.
     completion(vllm, prompts[0])
     trainer = multiprocessing.get_context("spawn").Process(
-        target=_trainer_until_killed, args=(vllm.url, str(vllm.model_dir), str(tmp_path)), daemon=True
+        target=_trainer_until_killed,
+        args=(vllm.url, str(vllm.model_dir), str(tmp_path), str(vllm.log_path), vllm.log.count(RECEIVING)),
+        daemon=True,
     )
     trainer.start()
     trainer.join(timeout=300)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -84,28 +83,22 @@ class InterruptingSource(WeightSource):
             yield item
 
 
-def wait_until_update_sent(timeout_s: float = 30.0) -> None:
-    """Blocks until this ``torch_dist`` trainer's ``update_weights`` request
-    went out whole (its thread waits for the answer, in ``getresponse``).
+def wait_until_update_began(server_log: str, line: str, rounds: int, timeout_s: float = 30.0) -> None:
+    """Blocks until the server's log (the file ``server_log``) holds ``line``
+    ``rounds`` times: its ``update_weights`` route began that many rounds.
 
-    The trainer posts it on a thread (``wt-update``) while its main thread
-    already broadcasts, and gloo buffers a small model's tensors in the
-    socket: on a loaded machine a kill between two tensors can come before
-    the request left. The server then never began the round and stays
-    paused, as vLLM does (``test_faults.py::test_an_update_a_dead_round_left_open_does_not_block_the_next_trainer``).
-    This narrows that race, it does not close it: uvicorn drops a request
-    whose client hung up before the route read its body (1 in 100 for a
-    client killed right after sending), so a kill just after this returns
-    can still come before the server began the round.
+    A trainer posts ``update_weights`` on a thread while its main thread
+    already broadcasts, and gloo (or the shm ring) buffers a small model's
+    tensors: a kill "between two tensors" can come before the request left,
+    or after it left but before the server read it (uvicorn then drops it).
+    Either way the server never began the round and stays paused, as vLLM
+    does, and the test would measure a different fault. Only the server can
+    say it began, so the wait reads what the server wrote.
     """
+    path = Path(server_log)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        frames = sys._current_frames()
-        for thread in threading.enumerate():
-            frame = frames.get(thread.ident) if thread.name == "wt-update" else None
-            while frame is not None:
-                if frame.f_code.co_name == "getresponse":
-                    return
-                frame = frame.f_back
-        time.sleep(0.001)
-    raise AssertionError(f"the update_weights request did not go out within {timeout_s:g} s")
+        if path.read_text(errors="replace").count(line) >= rounds:
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"{server_log} did not show {line!r} {rounds} times within {timeout_s:g} s")
