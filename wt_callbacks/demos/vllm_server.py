@@ -56,7 +56,9 @@ def find_vllm_python() -> tuple[Path | None, str]:
             f"{VLLM_PYTHON_ENV} is not set: run `bash scripts/vllm_env.sh` and export "
             f"{VLLM_PYTHON_ENV}=<the python it prints> to run against a real vLLM server"
         )
-    path = Path(value)
+    # Absolute but not resolved: the server runs in another directory, and a
+    # venv's python is a symlink that finds its venv only under its own name.
+    path = Path(os.path.abspath(value))
     if not (path.is_file() and os.access(path, os.X_OK)):
         return None, f"{VLLM_PYTHON_ENV}={value} is not an executable python; run `bash scripts/vllm_env.sh`"
     return path, ""
