@@ -19,7 +19,7 @@ from wt_callbacks.transfer import (
     WeightSource,
     WeightTransferTrainerFactory,
 )
-from wt_callbacks.transfer.backends.torch_dist.shm_ring import SHM_DIR, SHM_NAME_PREFIX
+from wt_callbacks.transfer.backends.torch_dist.shm_ring import ring_creator, ring_path
 
 TIMEOUT_S = 30.0
 LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
@@ -28,8 +28,7 @@ LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
 def ring_files(created_by: int | None = None) -> set[str]:
     """Our shared-memory ring files in /dev/shm; only those of process ``created_by`` if given
     (tests run in parallel: another test's trainer may hold a ring at the same time)."""
-    creator = "*" if created_by is None else f"{created_by}-*"
-    return set(glob.glob(os.path.join(SHM_DIR, SHM_NAME_PREFIX + creator)))
+    return set(glob.glob(ring_path("*" if created_by is None else created_by, "*")))
 
 
 def _in_tree_of(pid: int, ancestor: int) -> bool | None:
@@ -49,8 +48,8 @@ def rings_left_behind(before: set[str]) -> set[str]:
     A ring whose creator exited is always counted: nothing unlinks it now."""
     left = set()
     for path in ring_files() - before:
-        creator = os.path.basename(path).removeprefix(SHM_NAME_PREFIX).split("-", 1)[0]
-        if not creator.isdigit() or _in_tree_of(int(creator), os.getpid()) is not False:
+        creator = ring_creator(path)
+        if creator is None or _in_tree_of(creator, os.getpid()) is not False:
             left.add(path)
     return left
 

@@ -486,8 +486,21 @@ def _unlink_ring(path: str) -> None:
         pass
 
 
+def ring_path(creator: int | str, token: str) -> str:
+    """The ring file of process ``creator`` with random ``token`` (see
+    ``SHM_NAME_PREFIX``); either may be a glob pattern (``"*"``)."""
+    return os.path.join(SHM_DIR, f"{SHM_NAME_PREFIX}{creator}-{token}")
+
+
+def ring_creator(path: str) -> int | None:
+    """The pid that created ring file ``path``; ``None`` for a name that is not a ring's."""
+    name = os.path.basename(path)
+    creator = name.removeprefix(SHM_NAME_PREFIX).split("-", 1)[0]
+    return int(creator) if name.startswith(SHM_NAME_PREFIX) and creator.isdigit() else None
+
+
 def _create_ring_file(nbytes: int) -> str:
-    path = os.path.join(SHM_DIR, f"{SHM_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(16)}")
+    path = ring_path(os.getpid(), secrets.token_hex(16))
     # 0600: only processes of this user may map the ring (a server running as
     # another user reports that it cannot, and the negotiation handles it).
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
