@@ -22,6 +22,7 @@ rounds through vLLM's layerwise reload exact and complete is in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -99,7 +100,9 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
 
         An update is all or nothing: layers are processed (their new weights
         written into the served tensors) only once all of its tensors have
-        arrived (``processing_deferred``). A failed ``update_weights`` puts
+        arrived (``processing_deferred``), unless the trainer's
+        ``all_or_nothing`` is off: then each layer is processed as it
+        completes, as vLLM's own engines do. A failed ``update_weights`` puts
         the old tensors back into every layer it had not processed (every
         layer, unless vLLM's processing itself failed part way), so the
         server keeps generating, on its previous weights, instead of running
@@ -185,7 +188,11 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
 
         def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
             # A round whose trainer died shows in the log only by this line.
-            logger.info("wt_callbacks update_weights: receiving %d tensors", len(update_info.names))
+            layerwise = self.init_info is not None and not self.init_info.all_or_nothing
+            logger.info(
+                "wt_callbacks update_weights: receiving %d tensors, layers applied %s",
+                len(update_info.names), "as each completes" if layerwise else "once all arrived",
+            )  # fmt: skip
             model = self.model
             tracker = _LoadTracker(model)
             # The base engine loads through ``self.model.load_weights``; the
@@ -193,7 +200,8 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             # (its shape asserts do not).
             self.model = tracker
             try:
-                with disable_mtp_completeness_check(), processing_deferred():
+                deferred = contextlib.nullcontext() if layerwise else processing_deferred()
+                with disable_mtp_completeness_check(), deferred:
                     super().receive_weights(update_info)
                     received = time.perf_counter()
                 self._applied_s = time.perf_counter() - received

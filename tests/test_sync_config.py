@@ -143,6 +143,7 @@ def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
         ({"every_n_train_step": 3}, r"unknown key 'every_n_train_step'; did you mean 'every_n_train_steps'\?"),
         ({"config": {"packd": True}}, r"config for TorchDist\w+: unknown key 'packd'; did you mean 'packed'\?"),
         ({"config": {"packed_num_buffers": 0}}, r"config for TorchDist\w+: packed_num_buffers=0 must be a positive integer"),
+        ({"config": {"all_or_nothing": "false"}}, r"config for TorchDist\w+: key 'all_or_nothing' must be of type <class 'bool'>, got str 'false'"),
         ({"config": {"transport": "mpi"}}, r"config for TorchDist\w+: transport='mpi' is not one of \('auto', 'gloo', 'nccl', 'shm'\)"),
         ({"init_info": {"master_prot": 1}}, r"init_info for TorchDist\w+: unknown key 'master_prot'; did you mean 'master_port'\?"),
         ({"init_info": {"master_port": 70000}}, r"init_info for TorchDist\w+: master_port must be in 0\.\.65535, got 70000"),

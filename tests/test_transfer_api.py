@@ -108,7 +108,7 @@ def test_released_vllm_call_form_names_the_backend_in_the_init_info():
     source = ModuleSource(trainer_model)
     with pytest.raises(ValueError, match=r"a dict init info must name its backend, e.g. \{'backend': 'torch_dist'"):
         WeightTransferTrainerFactory.trainer_init(LOCAL, client=client, source=source)
-    with pytest.raises(ValueError, match=r"unknown key 'master_adress'; did you mean 'master_address'\? \(accepted keys: \['dtype', 'master_address'"):
+    with pytest.raises(ValueError, match=r"unknown key 'master_adress'; did you mean 'master_address'\? \(accepted keys: \['all_or_nothing', 'dtype', 'master_address'"):
         WeightTransferTrainerFactory.trainer_init({"backend": "torch_dist", "master_adress": "x"}, client=client, source=source)
     with pytest.raises(TypeError, match=r"init_info of type object names no backend"):
         WeightTransferTrainerFactory.trainer_init(object(), client=client, source=source)

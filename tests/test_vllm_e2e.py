@@ -68,6 +68,8 @@ BF16_SERVER_ATOL = 0.02
 """bf16 activations in vLLM vs an fp32 reference of the same bf16 weights
 (measured: ~5e-3 after the push, ~1.0 before it)."""
 ROUND_TIMEOUT_S = 60.0
+LAYERWISE = "layers applied as each completes"
+"""What the plugin logs for a round with ``all_or_nothing`` off."""
 STARTUP_FAILURE_TIMEOUT_S = 180.0
 
 
@@ -225,6 +227,19 @@ def test_bf16_wire_into_fp32_server(server: VLLMServer, trainer_model, tokenizer
     rounded = bf16_rounded(trainer_model)
     assert max_logprob_diff(server, rounded, prompts) <= FP32_ATOL
     assert max_logprob_diff(server, trainer_model, prompts) > FP32_ATOL, "bf16 rounding went unnoticed"
+
+
+def test_layers_applied_as_they_complete_without_all_or_nothing(
+    server: VLLMServer, trainer_model, tokenizer, prompts
+) -> None:
+    """``all_or_nothing: false``, unpacked (the case it is for: received
+    tensors freed layer by layer): vLLM's own layerwise reload, still exact."""
+    train(trainer_model, tokenizer, steps=3, seed=6)
+    said = server.log.count(LAYERWISE)
+    with trainer_engine(server, trainer_model, all_or_nothing=False, packed=False) as (engine, _):
+        engine.send_weights("layerwise")
+    assert max_logprob_diff(server, trainer_model, prompts) <= FP32_ATOL
+    assert server.log.count(LAYERWISE) == said + 1, "the worker did not apply the layers as they completed"
 
 
 def test_bf16_wire_into_bf16_server(

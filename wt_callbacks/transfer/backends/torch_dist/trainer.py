@@ -181,6 +181,8 @@ class TorchDistTrainerWeightTransferEngine(
             "transport": transport,
             "session_id": session_id,
         }
+        if not self.config.all_or_nothing:
+            self.worker_init_info["all_or_nothing"] = False
         # The client holds the servers' token; a server that has one checks
         # this proof of it (``session``).
         api_key = getattr(self.client, "api_key", None)

@@ -5,8 +5,8 @@ The dicts are those of vLLM's dense ``nccl`` backend (worker init_info
 packed_buffer_size_bytes, packed_num_buffers``; update_info ``names,
 dtype_names, shapes``) plus ``timeout_s`` and ``transport`` (``"gloo"``,
 ``"nccl"`` or ``"shm"``) and the session's keys (``session_id``,
-``session_proof``: see ``session``), so moving to stock vLLM later is a
-config change.
+``session_proof``: see ``session``) and, when off, ``all_or_nothing``, so
+moving to stock vLLM later is a config change.
 Dtype names are torch attribute names (``"bfloat16"``).
 """
 
@@ -69,6 +69,17 @@ class TorchDistTrainerConfig(WeightTransferConfig):
             Fresh host memory is page-faulted on first touch, which costs more
             than the copy into it; keeping them costs the ``packed_num_buffers``
             buffers of memory while the trainer is not syncing.
+        all_or_nothing: a vLLM server writes an update's new weights into
+            the served model only once every tensor of it arrived, so a round
+            cut mid-stream keeps all the previous weights (the default).
+            ``False`` is vLLM's own layerwise reload: each layer is processed
+            as its last tensor arrives, overlapping vLLM's processing with the
+            receive and freeing each layer's received tensors at once, but a
+            cut round leaves the layers it completed new and serves a mix once
+            resumed. Choose it when a server cannot hold a second copy of the
+            model in the wire dtype (``transport="nccl"`` or ``packed=False``,
+            where the received tensors otherwise stay until the update ends).
+            The reference receiver is all or nothing either way.
     """
 
     backend: str = BACKEND
@@ -79,6 +90,7 @@ class TorchDistTrainerConfig(WeightTransferConfig):
     timeout_s: float = DEFAULT_TIMEOUT_S
     transport: str = "auto"
     reuse_buffers: bool = True
+    all_or_nothing: bool = True
 
     def __post_init__(self) -> None:
         if self.backend != BACKEND:
@@ -139,6 +151,8 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
     secret; ``session_proof``: proof of the server's token (both in
     ``session``). Both optional: a trainer older than sessions sends neither,
     and a server without a token then accepts it as before.
+    ``all_or_nothing``: see ``TorchDistTrainerConfig``; a trainer sends it only
+    when ``False``, so servers older than the key keep taking the default.
     """
 
     master_address: str
@@ -152,6 +166,7 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
     transport: str = "gloo"
     session_id: str | None = None
     session_proof: str | None = None
+    all_or_nothing: bool = True
 
     def __post_init__(self) -> None:
         if self.rank_offset < 1:
