@@ -82,7 +82,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
     )
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    from wt_callbacks.integrations.vllm_reload import ReloadGuard, processing_deferred
+    from wt_callbacks.integrations.vllm_reload import ReloadGuard, failed_loads_counted, processing_deferred
     from wt_callbacks.transfer.backends.torch_dist import TorchDistWeightTransferEngine
 
     class VLLMTorchDistWeightTransferEngine(TorchDistWeightTransferEngine):
@@ -146,7 +146,11 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 # keeps a session whose finish raised marked active.
                 return
             incomplete, processed = self._guard.keep_incomplete()
-            finalize_layerwise_reload(self.model, self.model_config)
+            # vLLM would warn for each layer without checkpoint tensors (a
+            # rotary embedding's cache) every round; a layer the round left
+            # incomplete fails it below, naming the parameter.
+            with failed_loads_counted():
+                finalize_layerwise_reload(self.model, self.model_config)
             self._guard.end(processed)
             if incomplete:
                 more = f" (and {len(incomplete) - 1} more layers)" if len(incomplete) > 1 else ""
@@ -228,8 +232,13 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 if info.can_load():
                     info.loaded_weights.clear()
                     info.load_numel = 0
-            finalize_layerwise_reload(self.model, self.model_config)
+            with failed_loads_counted() as kept:
+                finalize_layerwise_reload(self.model, self.model_config)
             self._guard.abandon(processed)
+            logger.warning(
+                "wt_callbacks update_weights: the update was abandoned; %d layers keep their previous weights",
+                len(kept),
+            )
 
     VLLMTorchDistWeightTransferEngine.__module__ = __name__
     VLLMTorchDistWeightTransferEngine.__qualname__ = ENGINE_CLASS_NAME

@@ -289,6 +289,35 @@ def processing_deferred() -> Iterator[None]:
         layerwise.LOADING_LAYERS.discard(layer)
 
 
+@contextmanager
+def failed_loads_counted() -> Iterator[list[str]]:
+    """For the body, vLLM's ``"<Layer>: Failed to load weights"`` warnings are
+    kept out of the log and their layer class names collected instead.
+
+    Finalizing puts the previous weights back into every layer a round did
+    not load and warns once per such layer: every round for a layer without
+    checkpoint tensors (a rotary embedding's cache), and for every layer of
+    a cut round, hundreds of lines none of which says why. The plugin says
+    what matters once: an abandoned update, or the layers a finished round
+    left incomplete (``ReloadGuard.keep_incomplete``).
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    names: list[str] = []
+
+    def collect(record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights":
+            return True
+        names.append(str(record.args[0]) if isinstance(record.args, tuple) and record.args else "?")
+        return False
+
+    layerwise.logger.addFilter(collect)
+    try:
+        yield names
+    finally:
+        layerwise.logger.removeFilter(collect)
+
+
 # --------------------------------------------------------------------------- #
 # Tracing a round on meta tensors
 # --------------------------------------------------------------------------- #

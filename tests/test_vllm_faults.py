@@ -40,6 +40,7 @@ import copy
 import json
 import multiprocessing
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -249,6 +250,7 @@ def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, t
     # A fresh server compiles its sampler's logprobs at its first such
     # request (2.4 s here): not part of what is measured below.
     completion(vllm, prompts[0])
+    log_before = len(vllm.log)
     trainer = multiprocessing.get_context("spawn").Process(
         target=_trainer_until_killed,
         args=(vllm.url, str(vllm.model_dir), str(tmp_path), str(vllm.log_path), vllm.log.count(RECEIVING)),
@@ -272,6 +274,10 @@ def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, t
     serving_after = time.time() - died
     assert serving_after < TIMEOUT_S, serving_after  # the worker saw the trainer exit: not its timeout
     outcome = _holds_old_or_errors(vllm, old, prompts)
+    # One line says what the cut round left, not vLLM's warning per layer.
+    said = vllm.log[log_before:]
+    assert re.search(r"the update was abandoned; [1-9]\d* layers keep their previous weights", said), said[-3000:]
+    assert "Failed to load weights" not in said
     table.add("vLLM: trainer rank 0 killed @ mid-stream", "raise", serving_after,
               f"vLLM left the update, {outcome} once resumed")  # fmt: skip
     _next_round_delivers(vllm, trainer_model, prompts)
