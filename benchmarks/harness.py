@@ -7,6 +7,7 @@ runs as ``python benchmarks/x.py``.
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 import threading
@@ -18,7 +19,7 @@ from typing import Any
 from wt_callbacks.demos.receiver_process import ReceiverProcess, start_receiver
 from wt_callbacks.demos.synthetic_llama import PARAMS_ENV
 from wt_callbacks.demos.vllm_server import VLLMServer
-from wt_callbacks.transfer.backends.torch_dist.shm_ring import SHM_DIR, SHM_NAME_PREFIX
+from wt_callbacks.transfer.backends.torch_dist.shm_ring import ring_path
 from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient
 
 MiB = 1024**2
@@ -203,10 +204,7 @@ class ProcessStats:
 
 def ring_file_count() -> int:
     """Shared-memory ring files of this project in ``/dev/shm`` (any process's)."""
-    try:
-        return sum(name.startswith(SHM_NAME_PREFIX) for name in os.listdir(SHM_DIR))
-    except OSError:
-        return 0
+    return len(glob.glob(ring_path("*", "*")))
 
 
 def checksum_exit_status(failed: list[str]) -> int:

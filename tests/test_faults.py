@@ -54,8 +54,8 @@ RAISE_BOUND_S = TIMEOUT_S + 2 * min(TIMEOUT_S, CLEANUP_TIMEOUT_S) + 3.0
 """A failed round ends within ``timeout_s`` (detection) + the two bounded
 best-effort calls after it (finish, resume) + 3 s for a loaded machine."""
 FACTORY = "wt_callbacks.demos.models:many_tensors"
-RECEIVING = "weight update: receiving from the trainer"
-"""What the receiver logs when its update route begins a round."""
+RECEIVING = "torch_dist update_weights: receiving"
+"""What the receiver's worker engine logs when an accepted update begins to stream."""
 ROUTES = {
     "connect": "init_weight_transfer_engine",
     "pause": "pause",

@@ -219,10 +219,10 @@ def _holds_old_or_errors(vllm: VLLMServer, old: torch.nn.Module, prompts, new: t
     return "held new (every tensor had arrived)"
 
 
-def _trainer_until_killed(url: str, model_dir: str, out_dir: str, server_log: str, updates_before: int) -> None:
+def _trainer_until_killed(url: str, model_dir: str, out_dir: str, server_log: str, log_from: int) -> None:
     """Syncs the checkpoint + noise, saves it, then dies in the middle of the
-    next round (once vLLM's worker began it: ``updates_before`` rounds
-    already in ``server_log``, then these two)."""
+    next round, once vLLM's worker began it (its second ``RECEIVING`` in
+    ``server_log`` after byte ``log_from``)."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -233,7 +233,7 @@ def _trainer_until_killed(url: str, model_dir: str, out_dir: str, server_log: st
     torch.save(model.state_dict(), Path(out_dir, "old.pt"))
 
     def die() -> None:
-        wait_until_update_began(server_log, RECEIVING, rounds=updates_before + 2)
+        wait_until_update_began(server_log, RECEIVING, rounds=2, from_byte=log_from)
         Path(out_dir, "death").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -253,7 +253,7 @@ def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, t
     log_before = len(vllm.log)
     trainer = multiprocessing.get_context("spawn").Process(
         target=_trainer_until_killed,
-        args=(vllm.url, str(vllm.model_dir), str(tmp_path), str(vllm.log_path), vllm.log.count(RECEIVING)),
+        args=(vllm.url, str(vllm.model_dir), str(tmp_path), str(vllm.log_path), vllm.log_path.stat().st_size),
         daemon=True,
     )
     trainer.start()

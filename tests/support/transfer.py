@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import glob
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -82,9 +81,10 @@ class InterruptingSource(WeightSource):
             yield item
 
 
-def wait_until_update_began(server_log: str, line: str, rounds: int, timeout_s: float = 30.0) -> None:
-    """Blocks until the server's log (the file ``server_log``) holds ``line``
-    ``rounds`` times: its ``update_weights`` route began that many rounds.
+def wait_until_update_began(server_log: str, line: str, rounds: int, *, from_byte: int = 0, timeout_s: float = 30.0) -> None:
+    """Blocks until the server's log (the file ``server_log``, from byte
+    ``from_byte`` on) holds ``line`` ``rounds`` times: its worker began to
+    receive that many updates. One worker per server: each logs the line.
 
     A trainer posts ``update_weights`` on a thread while its main thread
     already broadcasts, and gloo (or the shm ring) buffers a small model's
@@ -94,10 +94,16 @@ def wait_until_update_began(server_log: str, line: str, rounds: int, timeout_s: 
     does, and the test would measure a different fault. Only the server can
     say it began, so the wait reads what the server wrote.
     """
-    path = Path(server_log)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.read_text(errors="replace").count(line) >= rounds:
-            return
-        time.sleep(0.002)
+    with open(server_log, "rb") as log:
+        log.seek(from_byte)
+        seen, tail = 0, b""
+        needle = line.encode()
+        while time.monotonic() < deadline:
+            tail += log.read()
+            seen += tail.count(needle)
+            tail = tail[tail.rfind(needle) + len(needle) :] if needle in tail else tail[-len(needle) :]
+            if seen >= rounds:
+                return
+            time.sleep(0.01)
     raise AssertionError(f"{server_log} did not show {line!r} {rounds} times within {timeout_s:g} s")

@@ -338,9 +338,6 @@ class ReceiverCore:
             if self._stage is None:
                 raise RuntimeError("start_weight_update must be called before update_weights.")
             local = update_info[0] if isinstance(update_info, list) else update_info
-            # A round that begins and never finishes (its trainer died) is
-            # visible in the log only by this line; tests wait for it too.
-            logger.info("weight update: receiving from the trainer")
             try:
                 self.engine.update_weights(local)
             except Exception:

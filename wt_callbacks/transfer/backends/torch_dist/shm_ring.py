@@ -496,7 +496,7 @@ def ring_creator(path: str) -> int | None:
     """The pid that created ring file ``path``; ``None`` for a name that is not a ring's."""
     name = os.path.basename(path)
     creator = name.removeprefix(SHM_NAME_PREFIX).split("-", 1)[0]
-    return int(creator) if name.startswith(SHM_NAME_PREFIX) and creator.isdigit() else None
+    return int(creator) if name.startswith(SHM_NAME_PREFIX) and creator.isdecimal() else None
 
 
 def _create_ring_file(nbytes: int) -> str:

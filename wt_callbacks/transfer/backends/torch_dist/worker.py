@@ -154,6 +154,11 @@ class TorchDistWeightTransferEngine(
         if callable(validate):
             validate(update_info.names, update_info.dtypes, [tuple(s) for s in update_info.shapes])
 
+    def log_receiving(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+        """Says that an accepted update begins to stream: a round whose
+        trainer died shows in the server's log only by this line."""
+        logger.info("torch_dist update_weights: receiving %d tensors", len(update_info.names))
+
     def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
         if self.group is None or self.init_info is None:
             raise RuntimeError("init_weight_transfer_engine must be called before update_weights")
@@ -166,6 +171,7 @@ class TorchDistWeightTransferEngine(
             # group fails the trainer's sends at once.
             self.shutdown()
             raise
+        self.log_receiving(update_info)
         info, group = self.init_info, self.group
         metas = list(zip(update_info.dtypes, update_info.shapes))
         started, waiting = time.perf_counter(), 0.0
