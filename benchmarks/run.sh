@@ -21,6 +21,8 @@ if [ "${WT_SKIP_VLLM:-0}" != "1" ]; then
   WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \
     "$PY" benchmarks/vllm_push_vs_reload.py --out "$OUT/vllm_push_vs_reload.json" --md "$OUT/vllm_push_vs_reload.md"
   WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \
+    "$PY" benchmarks/vllm_update_memory.py --out "$OUT/vllm_update_memory.json"
+  WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \
     "$PY" benchmarks/soak.py --target vllm --rounds 300 --at 10,100,300 --out "$OUT/soak_vllm.json"
   WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \
     "$PY" benchmarks/sync_under_load.py --target vllm --out "$OUT/sync_under_load.json"

@@ -350,7 +350,7 @@ def main() -> int:
         ]
     report = {
         "benchmark": "vllm_push_vs_reload",
-        "vllm_python": os.path.relpath(python),  # a report names no machine's paths
+        "vllm_python": str(Path(python.parent.parent.name, "bin", python.name)),  # its venv, not the machine's path
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "rounds": args.rounds,
         "timeout_s": args.timeout,

@@ -82,7 +82,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
     )
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    from wt_callbacks.integrations.vllm_reload import ReloadGuard, failed_loads_counted, processing_deferred
+    from wt_callbacks.integrations.vllm_reload import ReloadGuard, failed_load_warnings_quieted, processing_deferred
     from wt_callbacks.transfer.backends.torch_dist import TorchDistWeightTransferEngine
 
     class VLLMTorchDistWeightTransferEngine(TorchDistWeightTransferEngine):
@@ -104,12 +104,14 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
         ``all_or_nothing`` is off: then each layer is processed as it
         completes, as vLLM's own engines do. A failed ``update_weights`` puts
         the old tensors back into every layer it had not processed (every
-        layer, unless vLLM's processing itself failed part way), so the
-        server keeps generating, on its previous weights, instead of running
-        on the meta tensors layerwise reload leaves behind: vLLM ends the update on any
-        exception (``_weight_update_active=False``) without finalizing, so a
-        later finish would not restore them, and the next start would save
-        meta tensors as the "old" ones. That holds for an update refused
+        layer when all or nothing, unless vLLM's processing itself failed
+        part way), so the server keeps generating, on its previous weights
+        (and, all or nothing off, the new ones of the layers it processed),
+        instead of running on the meta tensors layerwise reload leaves
+        behind: vLLM ends the update on any exception
+        (``_weight_update_active=False``) without finalizing, so a later
+        finish would not restore them, and the next start would save meta
+        tensors as the "old" ones. That holds for an update refused
         before anything was received too (a malformed or foreign
         update_info, a mismatched model): it ends vLLM's update but not our
         transfer session, so the trainer's next round works.
@@ -149,8 +151,10 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             # vLLM would warn for each layer without checkpoint tensors (a
             # rotary embedding's cache) every round; a layer the round left
             # incomplete fails it below, naming the parameter.
-            with failed_loads_counted():
+            with failed_load_warnings_quieted() as put_back:
                 finalize_layerwise_reload(self.model, self.model_config)
+            if put_back:
+                logger.debug("wt_callbacks finish_weight_update: layers no tensor loaded: %s", ", ".join(put_back))
             self._guard.end(processed)
             if incomplete:
                 more = f" (and {len(incomplete) - 1} more layers)" if len(incomplete) > 1 else ""
@@ -181,6 +185,13 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 received.tensors, received.bytes / 1e6, received.seconds, received.waiting_s, self._applied_s,
             )  # fmt: skip
 
+        def log_receiving(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+            # Under vLLM's logger: the base engine's has no handler here.
+            logger.info(
+                "wt_callbacks update_weights: receiving %d tensors, layers applied %s",
+                len(update_info.names), "once all arrived" if self.init_info.all_or_nothing else "as each completes",
+            )  # fmt: skip
+
         def check_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
             reason = self._guard.refusal(update_info.names, update_info.dtypes, update_info.shapes)
             if reason is not None:
@@ -191,12 +202,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 )
 
         def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
-            # A round whose trainer died shows in the log only by this line.
             layerwise = self.init_info is not None and not self.init_info.all_or_nothing
-            logger.info(
-                "wt_callbacks update_weights: receiving %d tensors, layers applied %s",
-                len(update_info.names), "as each completes" if layerwise else "once all arrived",
-            )  # fmt: skip
             model = self.model
             tracker = _LoadTracker(model)
             # The base engine loads through ``self.model.load_weights``; the
@@ -232,12 +238,13 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 if info.can_load():
                     info.loaded_weights.clear()
                     info.load_numel = 0
-            with failed_loads_counted() as kept:
+            with failed_load_warnings_quieted() as put_back:
                 finalize_layerwise_reload(self.model, self.model_config)
             self._guard.abandon(processed)
             logger.warning(
-                "wt_callbacks update_weights: the update was abandoned; %d layers keep their previous weights",
-                len(kept),
+                "wt_callbacks update_weights: the update was abandoned; %d layers keep their previous weights%s",
+                len(put_back),
+                f", {len(processed)} already applied hold this round's (all_or_nothing is off)" if processed else "",
             )
 
     VLLMTorchDistWeightTransferEngine.__module__ = __name__

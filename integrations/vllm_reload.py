@@ -37,7 +37,9 @@ never on an architecture:
 What a failure keeps: every previous weight, for a round refused before
 streaming and for one cut mid-stream, since layers completed while an
 update streams are processed only once all of its tensors have arrived
-(``processing_deferred``). A round found incomplete at finish keeps the
+(``processing_deferred``); with the trainer's ``all_or_nothing`` off, the
+layers a cut round completed were processed and hold the new weights. A
+round found incomplete at finish keeps the
 previous weights of the layers it did not complete, while the layers it did
 complete hold the new ones (push again): by then the update had ended and
 its layers were processed. The check before streaming refuses such a round
@@ -290,7 +292,7 @@ def processing_deferred() -> Iterator[None]:
 
 
 @contextmanager
-def failed_loads_counted() -> Iterator[list[str]]:
+def failed_load_warnings_quieted() -> Iterator[list[str]]:
     """For the body, vLLM's ``"<Layer>: Failed to load weights"`` warnings are
     kept out of the log and their layer class names collected instead.
 

@@ -74,7 +74,8 @@ class TorchDistTrainerConfig(WeightTransferConfig):
             cut mid-stream keeps all the previous weights (the default).
             ``False`` is vLLM's own layerwise reload: each layer is processed
             as its last tensor arrives, overlapping vLLM's processing with the
-            receive and freeing each layer's received tensors at once, but a
+            receive and (unpacked, or over nccl) freeing each layer's received
+            tensors at once, but a
             cut round leaves the layers it completed new and serves a mix once
             resumed. Choose it when a server cannot hold a second copy of the
             model in the wire dtype (``transport="nccl"`` or ``packed=False``,
@@ -152,7 +153,8 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
     ``session``). Both optional: a trainer older than sessions sends neither,
     and a server without a token then accepts it as before.
     ``all_or_nothing``: see ``TorchDistTrainerConfig``; a trainer sends it only
-    when ``False``, so servers older than the key keep taking the default.
+    when ``False``, so servers older than the key keep taking the default
+    (and refuse ``False``, naming the unknown key, rather than ignore it).
     """
 
     master_address: str
