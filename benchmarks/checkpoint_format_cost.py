@@ -26,7 +26,9 @@ from pathlib import Path
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.demos.receiver_process import receiver_checksums, start_receiver
 from wt_callbacks.demos.tiny_lms import MOE_SHAPE_ENV, sized_qwen3_moe
-from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, ModuleSource
+
+from harness import trainer_engine
 
 
 def timed(fn) -> float:  # noqa: ANN001
@@ -55,10 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
     )
     client = HTTPVLLMWeightSyncClient(receiver.url, timeout=args.timeout)
-    engine = WeightTransferTrainerFactory.trainer_init(
-        "torch_dist", {"timeout_s": args.timeout}, {"master_address": "127.0.0.1", "master_port": 0, "rank": 0},
-        client=client, source=source,
-    )  # fmt: skip
+    engine = trainer_engine(client, source, args.timeout)
     rows: dict[str, list[float]] = {"named_parameters": [], "checkpoint format": [], "round": []}
     try:
         for i in range(args.rounds):  # interleaved: the machine is shared

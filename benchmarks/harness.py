@@ -20,10 +20,25 @@ from wt_callbacks.demos.receiver_process import ReceiverProcess, start_receiver
 from wt_callbacks.demos.synthetic_llama import PARAMS_ENV
 from wt_callbacks.demos.vllm_server import VLLMServer
 from wt_callbacks.transfer.backends.torch_dist.shm_ring import ring_path
+from wt_callbacks.transfer import TrainerWeightTransferEngine, WeightSource, WeightTransferTrainerFactory
 from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient
 
 MiB = 1024**2
 GB = 1e9
+
+
+def trainer_engine(
+    client: HTTPVLLMWeightSyncClient, source: WeightSource, timeout_s: float, config: dict[str, Any] | None = None
+) -> TrainerWeightTransferEngine:
+    """A ``torch_dist`` trainer engine on 127.0.0.1 (a free port, rank 0) with
+    ``config`` on top of ``timeout_s``, as every harness here syncs."""
+    return WeightTransferTrainerFactory.trainer_init(
+        "torch_dist",
+        {"timeout_s": timeout_s, **(config or {})},
+        {"master_address": "127.0.0.1", "master_port": 0, "rank": 0},
+        client=client,
+        source=source,
+    )
 
 
 def start_synthetic_receiver(params_text: str, *, torch_threads: int, timeout_s: float) -> ReceiverProcess:

@@ -67,9 +67,9 @@ import torch
 
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.vllm_server import find_vllm_python, max_logprob_diff, start_vllm_server
-from wt_callbacks.transfer import ModuleSource, WeightTransferTrainerFactory
+from wt_callbacks.transfer import ModuleSource
 
-from harness import CpuLoadMeter, TimedClient, server_pids
+from harness import CpuLoadMeter, TimedClient, server_pids, trainer_engine
 
 SIZES = ("toy", "llama-74M", "llama-296M")
 LLAMA_SHAPES = {
@@ -178,13 +178,7 @@ def bench_size(
 
     def init(config: dict[str, Any]) -> tuple[Any, float]:
         start = time.perf_counter()
-        engine = WeightTransferTrainerFactory.trainer_init(
-            "torch_dist",
-            {"timeout_s": timeout_s, **config},
-            {"master_address": "127.0.0.1", "master_port": 0, "rank": 0},
-            client=client,
-            source=ModuleSource(model),
-        )
+        engine = trainer_engine(client, ModuleSource(model), timeout_s, config)
         return engine, time.perf_counter() - start
 
     def reload() -> tuple[float, float]:

@@ -38,9 +38,9 @@ import torch
 
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.vllm_server import find_vllm_python, max_logprob_diff, start_vllm_server
-from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, ModuleSource
 
-from harness import server_pids
+from harness import server_pids, trainer_engine
 from vllm_push_vs_reload import LOGPROB_TOLERANCE, PROMPT_WORDS, SIZES, build_model_dir, perturb
 
 MiB = 1024**2
@@ -64,13 +64,7 @@ def bench_cell(model: torch.nn.Module, model_dir: Path, python: Path, workdir: P
         worker = max(server_pids(server), key=lambda pid: _status_kib(pid, "VmRSS"))
         peak_before = _status_kib(worker, "VmHWM") * 1024
         client = HTTPVLLMWeightSyncClient(server.url, timeout=timeout_s)
-        engine = WeightTransferTrainerFactory.trainer_init(
-            "torch_dist",
-            {"timeout_s": timeout_s, **config},
-            {"master_address": "127.0.0.1", "master_port": 0, "rank": 0},
-            client=client,
-            source=ModuleSource(model),
-        )
+        engine = trainer_engine(client, ModuleSource(model), timeout_s, config)
         seconds = []
         try:
             for r in range(rounds):
