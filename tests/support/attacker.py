@@ -3,7 +3,8 @@
 ``control-plane URL``: calls the weight routes as a stranger would (no token,
 or a wrong one): an init (pointed at its own rendezvous with ``--hijack``,
 else malformed), the lifecycle out of order, and updates with an unknown
-name, a name listed twice, a wrong shape, a bad dtype, another session's id and no session. ``store HOST PORT``: knows only ``master_port`` and tries to
+name, a name listed twice, a wrong shape, a bad dtype, another session's id
+and no session. ``store HOST PORT``: knows only ``master_port`` and tries to
 join the transfer group through the rendezvous store, with the store prefix
 a trainer without sessions used, or one sniffed off the store's traffic
 (``--prefix``); if it gets in, it plays the session check with a guessed

@@ -75,9 +75,8 @@ class TorchDistTrainerConfig(WeightTransferConfig):
             ``False`` is vLLM's own layerwise reload: each layer is processed
             as its last tensor arrives, overlapping vLLM's processing with the
             receive and (unpacked, or over nccl) freeing each layer's received
-            tensors at once, but a
-            cut round leaves the layers it completed new and serves a mix once
-            resumed. Choose it when a server cannot hold a second copy of the
+            tensors at once, but a cut round leaves the layers it completed
+            new and serves a mix once resumed. Choose it when a server cannot hold a second copy of the
             model in the wire dtype (``transport="nccl"`` or ``packed=False``,
             where the received tensors otherwise stay until the update ends).
             The reference receiver is all or nothing either way.
