@@ -17,10 +17,10 @@ def _uses_vllm(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On an xdist worker (``scripts/test.sh``: ``-n 2 --dist loadfile
+    """On an xdist worker (``scripts/test.sh``: ``-n 3 --dist loadfile
     --no-loadscope-reorder``) the modules that start vLLM servers come first:
     they are the longest (a start costs 30-60 s), and xdist hands out modules
-    in this order, so the other worker shares out everything else meanwhile.
+    in this order, so the other workers share out everything else meanwhile.
     A plain ``pytest`` run keeps file order."""
     if not hasattr(config, "workerinput"):
         return
