@@ -10,6 +10,7 @@ PY="${WT_VENV:-.venv}/bin/python"
 OUT=benchmarks/results
 mkdir -p "$OUT"
 "$PY" benchmarks/transfer_throughput.py --out "$OUT/transfer.json"
+"$PY" benchmarks/transfer_throughput.py --params 200M,496M --cycles 2 --configs "bf16 shm" --out "$OUT/transfer_bf16_shm.json"
 "$PY" benchmarks/fsdp2_gather.py --out "$OUT/fsdp2_gather.json"
 "$PY" benchmarks/fsdp2_gather.py --params 200M --out "$OUT/fsdp2_gather_200M.json"
 "$PY" benchmarks/sharded_sync.py --out "$OUT/sharded_sync.json"

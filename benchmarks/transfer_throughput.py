@@ -7,8 +7,9 @@ Run from the repository root (about 10 minutes on 2 cores)::
 What it does:
 
 1. Measures the ceilings: raw TCP throughput over 127.0.0.1 from this
-   process to a child process that ``recv_into``'s a reused buffer, and
-   memcpy bandwidth.
+   process to a child process that ``recv_into``'s a reused buffer,
+   memcpy bandwidth, and the shm ring's own copies on an fp32 and a bf16
+   wire (the floor of the bf16 / fp32 ratio over shm).
 2. For each ``--params`` size (default 50M, 200M, 500M) builds a seeded,
    Llama-shaped fp32 model (``wt_callbacks.demos.synthetic_llama``) and
    starts the reference receiver in a separate process serving the same
@@ -34,6 +35,7 @@ The exit status is 1 if any checksum differs. GB are 10^9 bytes.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import os
@@ -42,6 +44,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +92,67 @@ def measure_memcpy(total_bytes: int, trials: int = 3) -> dict[str, Any]:
         dst.copy_(src)
         seconds.append(time.perf_counter() - start)
     return {"bytes": total_bytes, "best_s": min(seconds), "gbps": total_bytes / min(seconds) / GB}
+
+
+def measure_ring_copy_floor(total_bytes: int, trials: int = 3) -> dict[str, Any]:
+    """The shm ring's own copies for an fp32 model of ``total_bytes``, on an
+    fp32 and on a bf16 wire, one thread per side as the ring has: the
+    trainer's copy of every piece from the model into a slot (``memmove``;
+    for bf16 ``copy_`` converting) and the receiver's copy out of a slot
+    into an fp32 model. Each side alone, then both at once (as in a round,
+    where they share the memory bus). Best of ``trials``.
+
+    The ring (``SHM_SLOTS`` x ``SHM_SLOT_BYTES``, 16 MiB) fits in the CPU's
+    last-level cache, so the bytes a bf16 wire saves are cache traffic: in
+    main memory the trainer still reads, and the receiver still writes, 4
+    bytes per parameter. ``both_bf16_over_fp32`` is the floor of a bf16
+    wire's time over the fp32 wire's into an fp32 receiver over shm, every
+    fixed cost of a round left out.
+    """
+    from wt_callbacks.transfer.backends.torch_dist.shm_ring import SHM_SLOT_BYTES, SHM_SLOTS
+
+    elements = total_bytes // 4 // SHM_SLOT_BYTES * SHM_SLOT_BYTES  # whole fp32 slots and whole bf16 slots
+    model, received = torch.randn(elements), torch.empty(elements)
+    ring = torch.zeros(2 * SHM_SLOTS * SHM_SLOT_BYTES, dtype=torch.uint8)  # a ring per side: no races when at once
+
+    def slots(itemsize: int, side: int):
+        per_slot = SHM_SLOT_BYTES // itemsize
+        for piece, first in enumerate(range(0, elements, per_slot)):
+            yield first, per_slot, (side * SHM_SLOTS + piece % SHM_SLOTS) * SHM_SLOT_BYTES
+
+    def trainer(itemsize: int) -> None:
+        for first, n, start in slots(itemsize, 0):
+            if itemsize == 4:
+                ctypes.memmove(ring.data_ptr() + start, model.data_ptr() + first * 4, n * 4)
+            else:
+                ring[start : start + n * 2].view(torch.bfloat16).copy_(model[first : first + n])
+
+    def receiver(itemsize: int) -> None:
+        for first, n, start in slots(itemsize, 1):
+            if itemsize == 4:
+                ctypes.memmove(received.data_ptr() + first * 4, ring.data_ptr() + start, n * 4)
+            else:
+                received[first : first + n].copy_(ring[start : start + n * 2].view(torch.bfloat16))
+
+    def both(itemsize: int) -> None:
+        other = threading.Thread(target=receiver, args=(itemsize,))
+        other.start()
+        trainer(itemsize)
+        other.join()
+
+    torch.set_num_threads(1)  # the ring's threads copy single-threaded; so does each thread here
+    best: dict[str, float] = {}
+    for name, copy in (("trainer", trainer), ("receiver", receiver), ("both", both)):
+        for wire, itemsize in (("fp32", 4), ("bf16", 2)):
+            copy(itemsize)  # fault the buffers in
+            seconds = []
+            for _ in range(trials):
+                start = time.perf_counter()
+                copy(itemsize)
+                seconds.append(time.perf_counter() - start)
+            best[f"{name}_{wire}_s"] = min(seconds)
+        best[f"{name}_bf16_over_fp32"] = best[f"{name}_bf16_s"] / best[f"{name}_fp32_s"]
+    return {"model_bytes": elements * 4, **best}
 
 
 def measure_tcp_ceiling(total_bytes: int, block_bytes: int, trials: int, timeout_s: float) -> dict[str, Any]:
@@ -569,6 +633,19 @@ def bf16_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def ring_floor_line(floor: dict[str, Any]) -> str:
+    """The ring's own copies, bf16 wire over fp32 wire (``measure_ring_copy_floor``)."""
+    sides = ", ".join(
+        f"{side} {floor[f'{side}_bf16_over_fp32']:.2f} ({floor[f'{side}_bf16_s']:.3f} / {floor[f'{side}_fp32_s']:.3f} s)"
+        for side in ("trainer", "receiver", "both")
+    )
+    return (
+        f"The ring's copies alone, {floor['model_bytes'] / 1e6:.0f} MB of fp32 weights, one thread per side, "
+        f"bf16 / fp32 wire: {sides} at once. The 16 MiB ring stays in the CPU's cache: into an fp32 receiver "
+        f"over shm a bf16 wire saves cache traffic, not memory traffic, and `both` is the floor of its ratio."
+    )
+
+
 def markdown_report(result: dict[str, Any]) -> str:
     tcp, memcpy = result["tcp_ceiling"], result["memcpy"]
     head = (
@@ -581,7 +658,7 @@ def markdown_report(result: dict[str, Any]) -> str:
         f"`other load` = CPU cores used by other processes meanwhile (comparable only near 0).\n"
     )
     parts = [head, "### Summary", "", summary_table(result), "", "### bf16 wire from an fp32 model", "",
-             bf16_table(result), ""]  # fmt: skip
+             bf16_table(result), "", ring_floor_line(result["ring_copy_floor"]), ""]  # fmt: skip
     for size in result["sizes"]:
         parts += [size_table(size), ""]
     return "\n".join(parts)
@@ -663,6 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"raw TCP ceiling: {tcp['gbps']:.2f} GB/s", flush=True)
     memcpy = measure_memcpy(min(parse_size(args.tcp_bytes), 1 << 30))
     print(f"memcpy: {memcpy['gbps']:.2f} GB/s", flush=True)
+    ring_floor = measure_ring_copy_floor(min(parse_size(args.tcp_bytes), 1 << 30))
+    print(f"ring copies, bf16 / fp32 wire, both sides at once: {ring_floor['both_bf16_over_fp32']:.2f}", flush=True)
 
     sizes = [run_size(text, args, tcp["gbps"]) for text in sizes_text]
     result = {
@@ -678,6 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
         "tcp_ceiling": tcp,
         "memcpy": memcpy,
+        "ring_copy_floor": ring_floor,
         "sizes": sizes,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,11 @@ def test_transfer_throughput_smoke(tmp_path):
     out = tmp_path / "transfer.json"
     run("benchmarks/transfer_throughput.py", "--params", "2M", "--rounds", "1", "--tcp-bytes", "64M", "--out", str(out))
     # Every checksum passed, or the script exited 1.
-    (size,) = json.loads(out.read_text())["sizes"]
+    result = json.loads(out.read_text())
+    (size,) = result["sizes"]
     assert size["configs"][0]["name"] == "packed 64MiB x2 fp32 shm"
+    floor = result["ring_copy_floor"]
+    assert all(floor[f"{side}_{wire}_s"] > 0 for side in ("trainer", "receiver", "both") for wire in ("fp32", "bf16"))
     assert {"per_parameter", "disk"} <= set(size)
     names = {c["name"] for c in size["configs"]}
     assert {"packed 64MiB x2 bf16 shm", "packed 64MiB x2 bf16 shm cast-in-source"} <= names
