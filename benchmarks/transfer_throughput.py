@@ -115,44 +115,48 @@ def measure_ring_copy_floor(total_bytes: int, trials: int = 3) -> dict[str, Any]
     model, received = torch.randn(elements), torch.empty(elements)
     ring = torch.zeros(2 * SHM_SLOTS * SHM_SLOT_BYTES, dtype=torch.uint8)  # a ring per side: no races when at once
 
-    def slots(itemsize: int, side: int):
+    def copy_through_ring(itemsize: int, side: int) -> None:
+        """Side 0 copies the model into its ring, side 1 its ring into ``received``."""
+        wire = torch.float32 if itemsize == 4 else torch.bfloat16
         per_slot = SHM_SLOT_BYTES // itemsize
         for piece, first in enumerate(range(0, elements, per_slot)):
-            yield first, per_slot, (side * SHM_SLOTS + piece % SHM_SLOTS) * SHM_SLOT_BYTES
-
-    def trainer(itemsize: int) -> None:
-        for first, n, start in slots(itemsize, 0):
+            start = (side * SHM_SLOTS + piece % SHM_SLOTS) * SHM_SLOT_BYTES
+            slot = ring[start : start + SHM_SLOT_BYTES].view(wire)
+            weights = (model if side == 0 else received)[first : first + per_slot]
+            target, source = (slot, weights) if side == 0 else (weights, slot)
             if itemsize == 4:
-                ctypes.memmove(ring.data_ptr() + start, model.data_ptr() + first * 4, n * 4)
+                ctypes.memmove(target.data_ptr(), source.data_ptr(), SHM_SLOT_BYTES)
             else:
-                ring[start : start + n * 2].view(torch.bfloat16).copy_(model[first : first + n])
-
-    def receiver(itemsize: int) -> None:
-        for first, n, start in slots(itemsize, 1):
-            if itemsize == 4:
-                ctypes.memmove(received.data_ptr() + first * 4, ring.data_ptr() + start, n * 4)
-            else:
-                received[first : first + n].copy_(ring[start : start + n * 2].view(torch.bfloat16))
+                target.copy_(source)
 
     def both(itemsize: int) -> None:
-        other = threading.Thread(target=receiver, args=(itemsize,))
+        other = threading.Thread(target=copy_through_ring, args=(itemsize, 1))
         other.start()
-        trainer(itemsize)
+        copy_through_ring(itemsize, 0)
         other.join()
 
+    sides = (
+        ("trainer", lambda itemsize: copy_through_ring(itemsize, 0)),
+        ("receiver", lambda itemsize: copy_through_ring(itemsize, 1)),
+        ("both", both),
+    )
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ring's threads copy single-threaded; so does each thread here
     best: dict[str, float] = {}
-    for name, copy in (("trainer", trainer), ("receiver", receiver), ("both", both)):
-        for wire, itemsize in (("fp32", 4), ("bf16", 2)):
-            copy(itemsize)  # fault the buffers in
-            seconds = []
-            for _ in range(trials):
-                start = time.perf_counter()
-                copy(itemsize)
-                seconds.append(time.perf_counter() - start)
-            best[f"{name}_{wire}_s"] = min(seconds)
-        best[f"{name}_bf16_over_fp32"] = best[f"{name}_bf16_s"] / best[f"{name}_fp32_s"]
-    return {"model_bytes": elements * 4, **best}
+    try:
+        for name, copy in sides:
+            for wire_name, itemsize in (("fp32", 4), ("bf16", 2)):
+                copy(itemsize)  # fault the buffers in
+                seconds = []
+                for _ in range(trials):
+                    began = time.perf_counter()
+                    copy(itemsize)
+                    seconds.append(time.perf_counter() - began)
+                best[f"{name}_{wire_name}_s"] = min(seconds)
+            best[f"{name}_bf16_over_fp32"] = best[f"{name}_bf16_s"] / best[f"{name}_fp32_s"]
+    finally:
+        torch.set_num_threads(threads)  # the rounds that follow run on --torch-threads
+    return {"model_bytes": elements * 4, "ring_bytes": SHM_SLOTS * SHM_SLOT_BYTES, **best}
 
 
 def measure_tcp_ceiling(total_bytes: int, block_bytes: int, trials: int, timeout_s: float) -> dict[str, Any]:
@@ -641,7 +645,7 @@ def ring_floor_line(floor: dict[str, Any]) -> str:
     )
     return (
         f"The ring's copies alone, {floor['model_bytes'] / 1e6:.0f} MB of fp32 weights, one thread per side, "
-        f"bf16 / fp32 wire: {sides} at once. The 16 MiB ring stays in the CPU's cache: into an fp32 receiver "
+        f"bf16 / fp32 wire: {sides} at once. The {floor['ring_bytes'] >> 20} MiB ring stays in the CPU's cache: into an fp32 receiver "
         f"over shm a bf16 wire saves cache traffic, not memory traffic, and `both` is the floor of its ratio."
     )
 
