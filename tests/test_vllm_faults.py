@@ -3,7 +3,7 @@
 The session's shared server (``vllm_server``: ``VLLM_API_KEY`` and our
 ``vllm_auth`` middleware, auth on) serves the whole file, as it serves
 test_vllm_e2e. Cells: a stranger without the token; trainer rank 0 killed
-mid-stream; and the server killed (SIGKILL of its process group) or frozen
+mid-stream, with ``all_or_nothing`` on and off; and the server killed (SIGKILL of its process group) or frozen
 (SIGSTOP, so its sockets stay open and nothing answers, then SIGCONT) in
 each phase of a round: connect (rendezvous), pause, start, mid-stream of
 ``update_weights`` over shm and over gloo (small packed buffers, so the
@@ -37,6 +37,7 @@ whoever needs the server next.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import multiprocessing
 import os
@@ -219,15 +220,16 @@ def _holds_old_or_errors(vllm: VLLMServer, old: torch.nn.Module, prompts, new: t
     return "held new (every tensor had arrived)"
 
 
-def _trainer_until_killed(url: str, model_dir: str, out_dir: str, server_log: str, log_from: int) -> None:
+def _trainer_until_killed(url: str, model_dir: str, out_dir: str, server_log: str, log_from: int, config: dict) -> None:
     """Syncs the checkpoint + noise, saves it, then dies in the middle of the
     next round, once vLLM's worker began it (its second ``RECEIVING`` in
-    ``server_log`` after byte ``log_from``)."""
+    ``server_log`` after byte ``log_from``). Leaves the old and the new
+    weights and the round's tensor names, in stream order, in ``out_dir``."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     perturb(model, 4)
-    ws = weight_sync(url, "raise")
+    ws = weight_sync(url, "raise", **config)
     ws.setup(model)
     assert ws.sync(0) is not None
     torch.save(model.state_dict(), Path(out_dir, "old.pt"))
@@ -237,31 +239,71 @@ def _trainer_until_killed(url: str, model_dir: str, out_dir: str, server_log: st
         Path(out_dir, "death").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    ws.engine.source = InterruptingSource(ws.engine.source, die, after=5)
+    ws.engine.source = InterruptingSource(ws.engine.source, die, after=KILLED_AFTER)
+    Path(out_dir, "order.json").write_text(json.dumps([m.name for m in ws.engine.source.metadata()]))
     perturb(model, 5)
+    torch.save(model.state_dict(), Path(out_dir, "new.pt"))
     ws.sync(1)
 
 
-def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, tmp_path):
+KILLED_AFTER = 5
+"""The killed trainer dies before yielding tensor 5 of the toy Llama's
+stream: the embedding and layer 0's q, k, v and o projections may be sent."""
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+"""Checkpoint tensors vLLM's Llama loads into one fused layer."""
+
+
+def _served_layer(name: str) -> str:
+    layer, _, _ = name.rpartition(".")
+    head, _, last = layer.rpartition(".")
+    return f"{head}.{FUSED.get(last, last)}"
+
+
+def _layers_served_new(vllm: VLLMServer, model: torch.nn.Module, prompts, out_dir: Path) -> list[str]:
+    """With ``all_or_nothing`` off a cut round keeps the layers it applied:
+    vLLM must serve the old weights with some whole served layers (the
+    fused q/k/v together) of the tensors sent before the cut new. Which
+    ones is vLLM's to say: the toy's embedding, its 20-row vocabulary padded
+    to 64, counts as complete only at finish, so a cut round keeps it old.
+    Returns those layers; raises
+    ``HalfAppliedUpdate`` if no such mix is what vLLM serves."""
+    old, new = torch.load(out_dir / "old.pt"), torch.load(out_dir / "new.pt")
+    sent = json.loads((out_dir / "order.json").read_text())[:KILLED_AFTER]
+    layers = list(dict.fromkeys(map(_served_layer, sent)))
+    diffs = {}
+    for picked in itertools.product((False, True), repeat=len(layers)):
+        chosen = [layer for layer, p in zip(layers, picked) if p]
+        model.load_state_dict({**old, **{n: new[n] for n in sent if _served_layer(n) in chosen}})
+        diffs[tuple(chosen)] = max_logprob_diff(vllm, model, prompts)
+    served = [list(chosen) for chosen, d in diffs.items() if d <= FP32_ATOL]
+    if not served:
+        raise HalfAppliedUpdate(f"vLLM serves no mix of the old weights and whole new layers of those sent {diffs}")
+    return served[0]
+
+
+@pytest.mark.parametrize("all_or_nothing", [True, False], ids=["all-or-nothing", "layerwise"])
+def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, tmp_path, all_or_nothing):
     """vLLM has no owner for a pause: the dead trainer's stays until someone
     resumes. What the server must do on its own is leave the dead trainer's
-    update, so that a /resume finds it serving (the old weights)."""
+    update, so that a /resume finds it serving: the old weights, or with
+    ``all_or_nothing`` off (unpacked, the case it is for) the old ones with
+    the layers the cut round completed new. The next trainer's round then
+    delivers exactly either way."""
     vllm = server
     # A fresh server compiles its sampler's logprobs at its first such
     # request (2.4 s here): not part of what is measured below.
     completion(vllm, prompts[0])
     log_before = len(vllm.log)
+    config = {} if all_or_nothing else {"all_or_nothing": False, "packed": False}
     trainer = multiprocessing.get_context("spawn").Process(
         target=_trainer_until_killed,
-        args=(vllm.url, str(vllm.model_dir), str(tmp_path), str(vllm.log_path), vllm.log_path.stat().st_size),
+        args=(vllm.url, str(vllm.model_dir), str(tmp_path), str(vllm.log_path), vllm.log_path.stat().st_size, config),
         daemon=True,
     )
     trainer.start()
     trainer.join(timeout=300)
     assert trainer.exitcode == -signal.SIGKILL, trainer.exitcode
     died = float((tmp_path / "death").read_text())
-    old = copy.deepcopy(trainer_model)
-    old.load_state_dict(torch.load(tmp_path / "old.pt"))
     deadline = time.monotonic() + 3 * TIMEOUT_S + 30
     while True:
         requests.post(f"{vllm.url}/resume", headers=vllm.headers, timeout=60)
@@ -273,13 +315,25 @@ def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, t
             time.sleep(0.2)
     serving_after = time.time() - died
     assert serving_after < TIMEOUT_S, serving_after  # the worker saw the trainer exit: not its timeout
-    outcome = _holds_old_or_errors(vllm, old, prompts)
     # One line says what the cut round left, not vLLM's warning per layer.
     said = vllm.log[log_before:]
-    assert re.search(r"the update was abandoned; [1-9]\d* layers keep their previous weights", said), said[-3000:]
     assert "Failed to load weights" not in said
-    table.add("vLLM: trainer rank 0 killed @ mid-stream", "raise", serving_after,
-              f"vLLM left the update, {outcome} once resumed")  # fmt: skip
+    abandoned = r"the update was abandoned; [1-9]\d* layers keep their previous weights"
+    if all_or_nothing:
+        assert re.search(abandoned, said) and "already applied" not in said, said[-3000:]
+        old = copy.deepcopy(trainer_model)
+        old.load_state_dict(torch.load(tmp_path / "old.pt"))
+        outcome = _holds_old_or_errors(vllm, old, prompts)
+    else:
+        # The shm ring holds four tensors without the worker: at least the
+        # fused q/k/v were complete before the trainer died.
+        applied = re.search(abandoned + r", ([1-9]\d*) already applied hold this round's", said)
+        assert applied, said[-3000:]
+        new_layers = _layers_served_new(vllm, copy.deepcopy(trainer_model), prompts, tmp_path)
+        assert len(new_layers) == int(applied[1]), (new_layers, applied[0])
+        outcome = f"{', '.join(new_layers)} new, the rest old"
+    table.add(f"vLLM: trainer rank 0 killed @ mid-stream{'' if all_or_nothing else ', all_or_nothing off'}", "raise",
+              serving_after, f"vLLM left the update, {outcome} once resumed")  # fmt: skip
     _next_round_delivers(vllm, trainer_model, prompts)
 
 
