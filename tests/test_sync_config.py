@@ -85,6 +85,12 @@ def test_container_without_section_takes_overrides_only():
     config = SyncConfig.from_hparams({"lr": 1e-3, "hidden": 8}, servers=[URL])
     assert config.servers == [URL]
     assert config.backend == "torch_dist"
+    # A training config sharing some key names with the section is not the section.
+    config = SyncConfig.from_hparams({"lr": 1e-3, "dtype": "bfloat16", "config": {"layers": 2}}, servers=[URL])
+    assert config.dtype is None and config.config == {}
+    # The section itself with a typo is still read as the section, to say so.
+    with pytest.raises(ValueError, match=r"unknown key 'evry_n_train_steps'; did you mean 'every_n_train_steps'\?"):
+        SyncConfig.from_hparams({"servers": [URL], "evry_n_train_steps": 2})
     assert SyncConfig.from_hparams(None, servers=[URL]).servers == [URL]
 
 
@@ -124,9 +130,12 @@ def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
     [
         ({"every_n_train_steps": 2, "every_n_epochs": 1}, r"every_n_train_steps and every_n_epochs are mutually exclusive"),
         ({"every_n_epochs": 1, "train_time_interval": 5}, r"every_n_epochs and train_time_interval are mutually exclusive"),
-        ({"every_n_train_steps": 0}, r"every_n_train_steps=0 must be a positive integer"),
-        ({"every_n_epochs": -1}, r"every_n_epochs=-1 must be a positive integer"),
+        ({"every_n_train_steps": -1}, r"every_n_train_steps=-1 must be a positive integer, or 0 for no periodic syncs"),
+        ({"every_n_epochs": -1}, r"every_n_epochs=-1 must be a positive integer, or 0 for no periodic syncs"),
         ({"train_time_interval": 0}, r"train_time_interval=0 must be a positive number of seconds"),
+        ({"train_time_interval": float("nan")}, r"train_time_interval=nan must be a positive number of seconds"),
+        ({"timeout_s": float("nan")}, r"timeout_s=nan must be a positive number of seconds"),
+        ({"timeout_s": float("inf")}, r"timeout_s=inf must be a positive number of seconds"),
         ({"train_time_interval": "10m"}, r"train_time_interval='10m' must be a positive number of seconds"),
         ({"timeout_s": -5}, r"timeout_s=-5 must be a positive number of seconds"),
         ({"every_n_train_steps": "10"}, r"key 'every_n_train_steps' must be of type int \| None, got str"),
@@ -176,8 +185,16 @@ def test_yaml_path_and_json_string(tmp_path):
 
 
 def test_direct_construction_validates_too():
-    with pytest.raises(ValueError, match=r"^every_n_epochs=0 must be a positive integer"):
-        SyncConfig(servers=[URL], every_n_epochs=0)
+    with pytest.raises(ValueError, match=r"^every_n_epochs=-2 must be a positive integer"):
+        SyncConfig(servers=[URL], every_n_epochs=-2)
+
+
+@pytest.mark.parametrize("key", ["every_n_train_steps", "every_n_epochs"])
+def test_zero_turns_periodic_syncs_off(key):
+    """As in ModelCheckpoint: only the syncs at fit start and train end and
+    ``sync_now`` run (tests/test_weight_sync.py drives such a config)."""
+    config = SyncConfig(servers=[URL], **{key: 0})
+    assert config.trigger == (key, 0)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,9 @@ Decisions a user can rely on:
   ``train_time_interval``. When none is given the cadence is
   ``every_n_train_steps=1``: on-policy RL, the main use, wants the servers on
   the newest weights after every optimizer step (TRL and verl default to it).
+  ``every_n_train_steps: 0`` (or ``every_n_epochs: 0``) turns periodic
+  syncs off, as in ``ModelCheckpoint``: then only the syncs at fit start and
+  train end and the adapter's ``sync_now`` run.
 * ``include`` / ``exclude`` are shell-style ``fnmatch`` patterns matched
   against the *sent* (checkpoint) names, case-sensitively: YAML-friendly
   (``"*.bias"``, ``"lm_head.*"``; ``*`` also matches dots) with nothing to
@@ -72,8 +75,8 @@ class SyncConfig:
 
     Attributes:
         backend: registered trainer engine (``WeightTransferTrainerFactory.available()``).
-        every_n_train_steps: sync after every N optimizer steps.
-        every_n_epochs: sync after every N training epochs.
+        every_n_train_steps: sync after every N optimizer steps; ``0``: no periodic syncs.
+        every_n_epochs: sync after every N training epochs; ``0``: no periodic syncs.
         train_time_interval: sync when this much time passed since the last
             round, in seconds (a ``datetime.timedelta`` is accepted and stored
             as seconds). Checked once per optimizer step.
@@ -145,7 +148,11 @@ class SyncConfig:
         if isinstance(self.train_time_interval, datetime.timedelta):
             self.train_time_interval = self.train_time_interval.total_seconds()
         for key in given:
-            check_positive(key, getattr(self, key), integer=key != "train_time_interval")
+            value = getattr(self, key)
+            if key == "train_time_interval":
+                check_positive(key, value)
+            elif value != 0 or isinstance(value, bool):  # 0: periodic syncs off
+                check_positive(key, value, integer=True, zero_means="no periodic syncs")
         check_positive("timeout_s", self.timeout_s)
         if self.verify_every_n_syncs != 0:
             check_positive("verify_every_n_syncs", self.verify_every_n_syncs, integer=True)
@@ -194,7 +201,7 @@ class SyncConfig:
     @property
     def trigger(self) -> tuple[str, float]:
         """The periodic cadence in effect, ``(key, value)``; ``("every_n_train_steps", 1)``
-        when none is configured."""
+        when none is configured, a value of ``0`` when periodic syncs are off."""
         for key in TRIGGER_KEYS:
             value = getattr(self, key)
             if value is not None:
@@ -230,10 +237,11 @@ class SyncConfig:
         a JSON object string (what a command-line flag gives a ``str``
         field) or ``None``. It is
         either a container holding the section under ``key``, or the section
-        itself: without ``key``, ``obj`` counts as the section when at least
-        one of its keys is a ``SyncConfig`` field (so typos get a
-        did-you-mean); otherwise it is hyperparameters without the section and
-        only ``overrides`` apply. ``overrides`` (constructor arguments of the
+        itself: without ``key``, ``obj`` counts as the section when every one
+        of its keys is a ``SyncConfig`` field or a near miss of one (so typos
+        get a did-you-mean), and at least one is a field; otherwise it is
+        hyperparameters without the section (a training config that happens
+        to hold a ``dtype`` or a ``config``) and only ``overrides`` apply. ``overrides`` (constructor arguments of the
         framework adapter) win over the section; ``None`` means "not given".
         An override of a cadence key (or of ``servers`` / ``ray_actors``)
         replaces the section's cadence (destination) instead of clashing with it.
@@ -245,7 +253,7 @@ class SyncConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         if key in container:
             section = _as_mapping(container[key], what=key)
-        elif fields & set(container):
+        elif fields & set(container) and all(_field_or_near_miss(k, fields) for k in container):
             section = container
         else:
             section = {}
@@ -255,6 +263,10 @@ class SyncConfig:
                 section = {k: v for k, v in section.items() if k not in group}
         merged = {**section, **given}
         return parse_dataclass(cls, merged, what=key)
+
+
+def _field_or_near_miss(key: Any, fields: set[str]) -> bool:
+    return key in fields or bool(difflib.get_close_matches(str(key), fields, n=1))
 
 
 def _as_mapping(obj: Any, *, what: str) -> dict[str, Any]:
