@@ -99,30 +99,31 @@ class WeightSyncCallback(Callback):
         self._client = client
         self.config: SyncConfig | None = None
         self.weight_sync: WeightSync | None = None
-        self._restored: dict[str, Any] | None = None
+        self._restored: dict[str, Any] | None = None  # from the checkpoint the next fit resumes
+        self._final: dict[str, Any] | None = None  # the last fit's, for a checkpoint written after it
 
     # -- identity and resume state -----------------------------------------
 
     @property
     def state_key(self) -> str:
-        # Unique per destination and selection, so two callbacks (two server
-        # groups, or two submodules) keep separate resume state.
+        # What the callback syncs, not where to: a restarted job's servers
+        # often have new hosts or ports, and a key holding them would drop
+        # the resume state (ModelCheckpoint leaves its dirpath out too). Two
+        # callbacks differ in their section or their submodule (setup checks).
         cfg = self.config
-        source = cfg.__dict__ if cfg is not None else self._overrides
-        return self._generate_state_key(
-            servers=source.get("servers"),
-            ray_actors=source.get("ray_actors"),
-            module=source.get("module"),
-            hparams_key=self.hparams_key,
-        )
+        module = cfg.module if cfg is not None else self._overrides.get("module")
+        return self._generate_state_key(module=module, hparams_key=self.hparams_key)
 
     def state_dict(self) -> dict[str, Any]:
         if self.weight_sync is not None:
             return self.weight_sync.state_dict()
-        return dict(self._restored or {})
+        return dict(self._restored or self._final or {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores callbacks before on_fit_start builds the driver.
+        # Only a checkpoint restores counters: a fit without one (this
+        # callback reused for another run) starts them at zero, or the last
+        # run's synced step would keep the new run's same step from the servers.
         self._restored = dict(state_dict)
 
     # -- configuration -----------------------------------------------------
@@ -138,6 +139,13 @@ class WeightSyncCallback(Callback):
         if stage != "fit":
             return
         self.config = self.resolve_config(pl_module)
+        twins = [c for c in trainer.callbacks if isinstance(c, WeightSyncCallback) and c is not self and c.config]
+        if any(c.state_key == self.state_key for c in twins):
+            raise ValueError(
+                f"two WeightSyncCallbacks read hparams_key={self.hparams_key!r} and send module="
+                f"{self.config.module!r}: their resume states would overwrite each other. Give each its "
+                "own hparams_key (one weight_sync section per server group)"
+            )
 
     def _active(self, trainer: pl.Trainer) -> bool:
         return self.weight_sync is not None and not trainer.sanity_checking
@@ -149,8 +157,9 @@ class WeightSyncCallback(Callback):
             return
         strategy = trainer.strategy
         self.weight_sync = WeightSync(self.config, client=self._client, log=rank_zero_info)
-        if self._restored:
-            self.weight_sync.load_state_dict(self._restored)
+        restored, self._restored = self._restored, None
+        if restored:
+            self.weight_sync.load_state_dict(restored)
         self.weight_sync.setup(
             # As the strategy holds it (FSDP1 root unit, DeepSpeed engine, DDP):
             # the sharding scheme is detected there, wrapper names are stripped.
@@ -178,13 +187,20 @@ class WeightSyncCallback(Callback):
             self._report(trainer, self.weight_sync.last_result)
         # Gauges go through Lightning's own logging, which sends the latest
         # value every log_every_n_steps (a sync row must not: see _report).
+        # Step values, never averaged over batches: the batch size is moot,
+        # and Lightning demands one when training_step takes a dataloader_iter.
         pl_module.log_dict(
             self.weight_sync.gauges(trainer.global_step),
-            on_step=True, on_epoch=False, rank_zero_only=True, sync_dist=False,
+            on_step=True, on_epoch=False, rank_zero_only=True, sync_dist=False, batch_size=1,
         )  # fmt: skip
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._active(trainer) and self.weight_sync.maybe_sync(trainer.global_step, epoch_end=True):
+        # ModelCheckpoint's count: a callback added at a resume, or reused
+        # for another fit, follows the trainer's epochs, not its own calls.
+        epochs_done = trainer.current_epoch + 1
+        if self._active(trainer) and self.weight_sync.maybe_sync(
+            trainer.global_step, epoch_end=True, epochs_done=epochs_done
+        ):
             self._report(trainer, self.weight_sync.last_result)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -199,8 +215,7 @@ class WeightSyncCallback(Callback):
 
     def _close(self) -> None:
         if self.weight_sync is not None:
-            # Keep the counters for a checkpoint written after fit.
-            self._restored = self.weight_sync.state_dict()
+            self._final = self.weight_sync.state_dict()
             self.weight_sync.close()
             self.weight_sync = None
 

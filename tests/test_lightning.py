@@ -85,18 +85,42 @@ def test_train_time_interval(receiver_proc):
 
 
 def test_resume_cold_syncs_then_cadence_continues(receiver_proc, tmp_path):
-    receiver = receiver_proc()
-    ws = section(receiver.url, every_n_train_steps=3)
-    first = run(ws, max_steps=6, ckpt_dir=str(tmp_path))
+    """The restarted job's server is on a new port (as after most restarts):
+    the resume state still applies, since it is keyed on what is synced."""
+    receiver, restarted = receiver_proc(), receiver_proc()
+    first = run(section(receiver.url, every_n_train_steps=3), max_steps=6, ckpt_dir=str(tmp_path))
     assert first["state"]["last_synced_step"] == 6
     ckpt = next(p for p in tmp_path.iterdir() if "step=6" in p.name)
-    second = run(ws, max_steps=9, resume_from=str(ckpt))
-    info = served(receiver.url)
+    second = run(section(restarted.url, every_n_train_steps=3), max_steps=9, resume_from=str(ckpt))
+    assert served(receiver.url)["version_history"] == ["step-0", "step-3", "step-6"]
+    info = served(restarted.url)
     # A cold sync after the resume (the server may hold anything), then on cadence.
-    assert info["version_history"] == ["step-0", "step-3", "step-6", "step-6", "step-9"]
+    assert info["version_history"] == ["step-6", "step-9"]
     assert info["checksums"] == second["checksums"]
     # Counters continued from the checkpoint.
     assert second["state"]["syncs_completed"] == 5
+
+
+def test_epoch_cadence_follows_the_trainer_when_a_callback_is_reused(receiver_proc):
+    """A callback object reused for a second fit (a sweep, a second phase)
+    counts the new trainer's epochs, as ModelCheckpoint does, not its own."""
+    main, epochs = receiver_proc(), receiver_proc()
+    reused = WeightSyncCallback(
+        servers=[epochs.url], module="model", every_n_epochs=2, sync_on_fit_start=False, sync_on_train_end=False,
+        timeout_s=TIMEOUT_S, hparams_key="epoch_sync",
+    )  # fmt: skip
+    for _ in range(2):
+        run(section(main.url, every_n_train_steps=100), max_epochs=3, batches=3, extra_sync_callbacks=[reused])
+    # Epoch 2 of each fit (step 6), never epoch 1 or 3 of the second.
+    assert served(epochs.url)["version_history"] == ["step-6", "step-6"]
+
+
+def test_training_step_taking_the_dataloader_iter(receiver_proc):
+    receiver = receiver_proc()
+    result = run(section(receiver.url, every_n_train_steps=2), max_steps=4, task="dataloader-iter")
+    info = served(receiver.url)
+    assert info["version_history"] == ["step-0", "step-2", "step-4"]
+    assert info["checksums"] == result["checksums"]
 
 
 def test_warn_survives_a_dead_server_and_resyncs_when_it_is_back(receiver_proc, caplog):
@@ -150,6 +174,12 @@ def test_misconfiguration_fails_in_setup_before_training(receiver_proc):
         run({"every_n_train_steps": 2}, max_steps=2)
     with pytest.raises(ValueError, match="did you mean 'every_n_train_steps'"):
         run({"servers": ["http://127.0.0.1:9"], "every_n_train_step": 2}, max_steps=2)
+    # Two callbacks reading one section for the same submodule would share one
+    # resume state. Lightning refuses equal keys when the Trainer is built; these
+    # are equal only once the section gave the first one its module.
+    twin = WeightSyncCallback(servers=["http://127.0.0.1:10"], module="model")
+    with pytest.raises(ValueError, match=r"hparams_key='weight_sync' and send module='model'.*own hparams_key"):
+        run({"servers": ["http://127.0.0.1:9"], "module": "model"}, max_steps=2, extra_sync_callbacks=[twin])
 
 
 def _torchrun(tmp_path, weight_sync: dict, strategy: str) -> dict:
@@ -228,7 +258,9 @@ class _CaptureLogger:
 def test_metrics_sync_now_and_two_callbacks(receiver_proc):
     main, second = receiver_proc(), receiver_proc()
     logger = _CaptureLogger()
-    other = WeightSyncCallback(servers=[second.url], module="model", every_n_train_steps=2, timeout_s=TIMEOUT_S)
+    other = WeightSyncCallback(
+        servers=[second.url], module="model", every_n_train_steps=2, timeout_s=TIMEOUT_S, hparams_key="rollout_sync"
+    )
 
     def rollout(step: int) -> None:
         if step == 3:

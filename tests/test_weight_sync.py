@@ -241,6 +241,31 @@ def test_bf16_wire_with_exclude(receiver):
     assert result.bytes == sum(p.numel() * 2 for n, p in trainer.model.named_parameters() if not n.endswith(".bias"))
 
 
+def test_epochs_counted_by_the_framework_win(receiver):
+    """``epochs_done`` (Lightning's count) decides, whatever this driver counted before."""
+    ws = WeightSync(config(receiver.url, every_n_epochs=2))
+    ws.setup(policy(1))
+    try:
+        assert ws.maybe_sync(3, epoch_end=True, epochs_done=3) is False
+        assert ws.maybe_sync(6, epoch_end=True, epochs_done=4) is True
+        assert ws.state_dict()["epochs_completed"] == 4
+    finally:
+        ws.close()
+    assert served_info(receiver.url)["version_history"] == ["step-6"]
+
+
+@pytest.mark.parametrize("key", ["every_n_train_steps", "every_n_epochs"])
+def test_zero_cadence_syncs_only_when_asked(receiver, key):
+    ws = WeightSync(config(receiver.url, **{key: 0}))
+    ws.setup(policy(1))
+    try:
+        assert not any(ws.maybe_sync(step) or ws.maybe_sync(step, epoch_end=True) for step in range(1, 5))
+        assert ws.sync(4, "asked") is not None and ws.sync_at_train_end(5) is not None
+    finally:
+        ws.close()
+    assert served_info(receiver.url)["version_history"] == ["asked", "step-5"]
+
+
 def test_time_interval_decides_from_now(receiver):
     ws = WeightSync(config(receiver.url, train_time_interval=60, pause="none"))
     ws.setup(policy(1))

@@ -274,23 +274,29 @@ class WeightSync:
 
     # -- cadence -------------------------------------------------------------
 
-    def maybe_sync(self, step: int, *, epoch_end: bool = False, now: float | None = None) -> bool:
+    def maybe_sync(
+        self, step: int, *, epoch_end: bool = False, epochs_done: int | None = None, now: float | None = None
+    ) -> bool:
         """Run a round if the configured cadence says so; ``True`` if one ran and succeeded.
 
         Call on every rank after each optimizer step with the number of
         optimizer steps done (calls repeating a step, as with gradient
         accumulation, are ignored), and with ``epoch_end=True`` at each epoch
-        end. ``train_time_interval`` is decided on rank 0 from ``now``
+        end. ``epochs_done`` is the framework's own count of finished epochs
+        there (Lightning's ``current_epoch + 1``): a run resumed from a
+        checkpoint written without this state, or a driver reused for
+        another run, then keeps the framework's epoch cadence; without it the
+        epoch ends are counted here. ``train_time_interval`` is decided on rank 0 from ``now``
         (``time.monotonic()`` seconds; default: now) and broadcast, so every
         rank takes the same decision. A step already on the servers is never
         sent again.
         """
         key, every = self.config.trigger
         if epoch_end:
-            self.epochs_completed += 1
-            due = key == "every_n_epochs" and self.epochs_completed % every == 0
+            self.epochs_completed = self.epochs_completed + 1 if epochs_done is None else epochs_done
+            due = key == "every_n_epochs" and every > 0 and self.epochs_completed % every == 0
         elif key == "every_n_train_steps":
-            due = step > 0 and step % every == 0
+            due = every > 0 and step > 0 and step % every == 0
         elif key == "train_time_interval" and step != self._last_time_check_step:
             self._last_time_check_step = step
             due = self._time_due(every, now)

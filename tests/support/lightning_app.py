@@ -104,7 +104,16 @@ class ToyLMModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-TASKS = {"regression": TinyModule, "toy-lm": ToyLMModule}
+class IteratorStepModule(TinyModule):
+    """``training_step`` takes the ``dataloader_iter`` (custom RL and streaming
+    loops do): Lightning then wants a ``batch_size`` in every ``self.log``."""
+
+    def training_step(self, dataloader_iter) -> torch.Tensor:  # type: ignore[override]
+        batch, batch_idx, _ = next(dataloader_iter)
+        return super().training_step(batch, batch_idx)
+
+
+TASKS = {"regression": TinyModule, "toy-lm": ToyLMModule, "dataloader-iter": IteratorStepModule}
 
 
 class FinalWeights(pl.Callback):
