@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.support import REPO_ROOT
 from tests.support.transfer import LOCAL, TIMEOUT_S, InterruptingSource, connect
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.demos import models
@@ -168,6 +171,37 @@ def test_receiver_killed_mid_round_raises_within_timeout_then_recovers(
     engine.send_weights("after-crash")
     engine.shutdown()
     assert receiver_checksums(fresh.url) == module_checksums(model)
+
+
+ONE_ROUND_THEN_EXIT = """
+import sys
+from wt_callbacks.demos import models
+from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+engine = WeightTransferTrainerFactory.trainer_init(
+    "torch_dist", {"transport": "gloo", "timeout_s": 30},
+    {"master_address": "127.0.0.1", "master_port": 0, "rank": 0},
+    client=HTTPVLLMWeightSyncClient([sys.argv[1]], timeout=30), source=ModuleSource(models.tiny_mlp(seed=1)),
+)
+engine.send_weights("last")
+engine.shutdown()
+"""
+
+
+def test_both_ends_exit_cleanly_right_after_a_gloo_session(receiver_proc):
+    """Freeing a gloo group joins its threads; a process that ended while
+    they ran was killed by std::terminate (exit 134) after a run that
+    succeeded. A trainer that exits right after ``shutdown()`` and a
+    receiver stopped by SIGTERM after the session both exit 0."""
+    receiver = receiver_proc()
+    for _ in range(3):  # it failed 3 times in 3 before the fix
+        trainer = subprocess.run(
+            [sys.executable, "-c", ONE_ROUND_THEN_EXIT, receiver.url],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert trainer.returncode == 0, trainer.stderr[-3000:]
+    assert receiver_checksums(receiver.url) == module_checksums(models.tiny_mlp(seed=1))
+    receiver.stop()
+    assert receiver.proc.returncode == 0, receiver.log[-3000:]
 
 
 def test_wrong_world_size_fails_within_timeout(receiver_proc):

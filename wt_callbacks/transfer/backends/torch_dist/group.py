@@ -10,11 +10,13 @@ bounded by ``timeout_s``: a dead peer raises, it never hangs.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import ipaddress
 import logging
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -96,8 +98,9 @@ class TransferGroup:
     """
 
     def __init__(self, store: dist.Store, pg: Any, rank: int, world_size: int, device: torch.device,
-                 shm: ShmRing | None = None) -> None:  # fmt: skip
+                 shm: ShmRing | None = None, *, timeout_s: float = 300.0) -> None:  # fmt: skip
         self.store = store
+        self.timeout_s = timeout_s  # the group's: what bounds its pending operations
         self.pg = pg
         self.rank = rank
         self.world_size = world_size
@@ -159,14 +162,14 @@ class TransferGroup:
             elif transport == "shm":
                 shm = join_ring(prefix, rank=rank, world_size=world_size, timeout_s=timeout_s)
         except BaseException as e:
-            cls(prefix, pg, rank, world_size, device).destroy()
+            cls(prefix, pg, rank, world_size, device, timeout_s=timeout_s).destroy()
             if isinstance(e, WeightTransferError) or not isinstance(e, Exception):
                 raise
             raise WeightTransferError(
                 f"the {step} of the transfer group did not finish within timeout_s={timeout_s:g} "
                 f"(this is rank {rank}; did a rank die?): {e}"
             ) from e
-        return cls(prefix, pg, rank, world_size, device, shm)
+        return cls(prefix, pg, rank, world_size, device, shm, timeout_s=timeout_s)
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         if self.shm is not None:
@@ -237,16 +240,41 @@ class TransferGroup:
             # Freeing a gloo group joins its threads, which wait until the
             # group's pending operations (a broadcast to a peer that stopped
             # reading, receives posted ahead) end: up to timeout_s, and
-            # ``abort`` does not end them sooner. A thread of its own holds
-            # the group until they ended, so whoever drops it last does not wait.
-            works, self._in_flight = self._in_flight, deque()
-            threading.Thread(target=_release, args=(pg, works), name="wt-release-group", daemon=True).start()
+            # ``abort`` does not end them sooner. With none pending the group
+            # is freed here, at once. Otherwise a thread of its own holds it
+            # until they ended, so whoever drops it last does not wait, and
+            # the interpreter waits for that thread at exit: a process that
+            # ended with the group's threads still running was killed by
+            # std::terminate (exit 134) after a successful run.
+            works = [w for w in self._in_flight if not w.is_completed()]
+            self._in_flight = deque()
+            if works:
+                release = threading.Thread(target=_release, args=(pg, works), name="wt-release-group", daemon=True)
+                with _RELEASING_LOCK:
+                    _RELEASING[release] = time.monotonic() + self.timeout_s + _RELEASE_SLACK_S
+                release.start()
 
 
-def _release(pg: Any, works: deque[Any]) -> None:
-    while works:
+_RELEASING: dict[threading.Thread, float] = {}
+"""Threads still freeing a group, with the time by which their operations end."""
+_RELEASING_LOCK = threading.Lock()
+_RELEASE_SLACK_S = 5.0
+
+
+def _release(pg: Any, works: list[Any]) -> None:
+    for work in works:
         try:
-            works.popleft().wait()
+            work.wait()
         except Exception:  # noqa: BLE001 - a failed or timed-out operation has ended too
             pass
     del pg
+    with _RELEASING_LOCK:
+        _RELEASING.pop(threading.current_thread(), None)
+
+
+@atexit.register
+def _wait_for_releases() -> None:
+    with _RELEASING_LOCK:
+        releasing = list(_RELEASING.items())
+    for thread, deadline in releasing:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
