@@ -53,6 +53,9 @@ TIMEOUT_S = 3.0
 RAISE_BOUND_S = TIMEOUT_S + 2 * min(TIMEOUT_S, CLEANUP_TIMEOUT_S) + 3.0
 """A failed round ends within ``timeout_s`` (detection) + the two bounded
 best-effort calls after it (finish, resume) + 3 s for a loaded machine."""
+CLIENT_TIMEOUT_S = 120.0
+"""The cells' clients wait this long for an answer: ``timeout_s`` must bound
+every server call whatever timeout the client it was given has."""
 FACTORY = "wt_callbacks.demos.models:many_tensors"
 RECEIVING = "torch_dist update_weights: receiving"
 """What the receiver's worker engine logs when an accepted update begins to stream."""
@@ -115,7 +118,7 @@ def run_cell(forks: ReceiverForks, fault: str, phase: str, on_error: str) -> tup
     url = proxy.url if proxy is not None else receiver.url
     before = receiver.checksums()
     model = models.many_tensors(seed=0)
-    client = FaultyClient(HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT_S))
+    client = FaultyClient(HTTPVLLMWeightSyncClient(url, timeout=CLIENT_TIMEOUT_S))
     ws = weight_sync(url, client, on_error, **MID_STREAM.get(phase, {}))
     route = ROUTES.get(phase, "update_weights")
     strike: Callable[[], None] = {

@@ -42,6 +42,7 @@ from wt_callbacks.transfer.base import (
     VLLMWeightSyncClient,
     WeightTransferError,
     best_effort,
+    bounded,
 )
 from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
 from wt_callbacks.transfer.factory import WeightTransferTrainerFactory
@@ -358,7 +359,8 @@ class WeightSync:
             if self.rank == 0 and self._can_pause():
                 self._paused = True
                 t0 = time.perf_counter()
-                self.client.pause(self.config.pause_mode)
+                mode = self.config.pause_mode
+                bounded(lambda: self.client.pause(mode), "pause", within_s=self.config.timeout_s)
                 pause_seconds = time.perf_counter() - t0
 
         def send() -> None:
@@ -426,7 +428,8 @@ class WeightSync:
         if not self._paused:
             return
         if not quiet:
-            self.client.resume()  # a failure leaves _paused set: the quiet retry follows
+            # A failure leaves _paused set: the quiet retry follows.
+            bounded(self.client.resume, "resume", within_s=self.config.timeout_s)
             self._paused = False
             return
         self._paused = False

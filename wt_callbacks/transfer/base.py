@@ -253,17 +253,27 @@ def in_daemon_thread(fn: Callable[[], Any], name: str) -> Future:
     return future
 
 
-def best_effort(fn: Callable[[], Any], what: str, *, within_s: float) -> BaseException | None:
-    """Call ``fn`` after a failure, waiting at most ``within_s``; returns its
-    error (a ``WeightTransferError`` if it did not answer in time), never raises.
-
-    A call still running past the bound carries on in the background (its
-    own timeout ends it).
-    """
+def bounded(fn: Callable[[], Any], what: str, *, within_s: float) -> Any:
+    """``fn()``, waiting at most ``within_s`` for it (``WeightTransferError``
+    past that): a config's ``timeout_s`` bounds a server call whatever
+    timeout the client was built with. A call still running past the bound
+    carries on in the background (its own timeout ends it)."""
     try:
-        return in_daemon_thread(fn, f"wt-{what}").exception(timeout=within_s)
+        return in_daemon_thread(fn, f"wt-{what}").result(timeout=within_s)
     except FutureTimeout:
-        return WeightTransferError(f"{what}: no answer within {within_s:.3g} s; not waiting for it")
+        raise WeightTransferError(
+            f"{what}: no answer within {within_s:.3g} s; not waiting for it (the server is frozen or "
+            "overloaded; raise timeout_s if it is just slow)"
+        ) from None
+
+
+def best_effort(fn: Callable[[], Any], what: str, *, within_s: float) -> Exception | None:
+    """``bounded`` after a failure: returns the call's error instead of raising it."""
+    try:
+        bounded(fn, what, within_s=within_s)
+    except Exception as e:  # noqa: BLE001 - reported to the caller, whose own error matters more
+        return e
+    return None
 
 
 class _CastSource(WeightSource):

@@ -29,6 +29,7 @@ from wt_callbacks.transfer.base import (
     WeightSource,
     WeightTransferError,
     best_effort,
+    bounded,
     drain,
     dtype_name,
     finish_with_version,
@@ -277,7 +278,10 @@ class TorchDistTrainerWeightTransferEngine(
             self._abandon_round(server_call)
             raise
         try:
-            finish_with_version(self.client, weight_version)
+            bounded(
+                lambda: finish_with_version(self.client, weight_version), "finish_weight_update",
+                within_s=self.config.timeout_s,
+            )  # fmt: skip
         except BaseException:
             # vLLM keeps a session whose finish raised (a round found
             # incomplete, a server that did not answer) marked active and
@@ -293,8 +297,9 @@ class TorchDistTrainerWeightTransferEngine(
         while the server was frozen) refuses it as "already active" for good:
         that update is finished first (it keeps the weights it holds), then
         the start is sent again."""
+        start = self.client.start_weight_update
         try:
-            self.client.start_weight_update()
+            bounded(start, "start_weight_update", within_s=self.config.timeout_s)
             return
         except Exception as e:
             if STALE_UPDATE not in str(e):
@@ -303,7 +308,7 @@ class TorchDistTrainerWeightTransferEngine(
         # vLLM keeps an update whose finish raised marked active: a second finish ends it.
         for _ in range(2):
             self._finish_quietly(within_s=min(self.config.timeout_s, CLEANUP_TIMEOUT_S))
-        self.client.start_weight_update()
+        bounded(start, "start_weight_update", within_s=self.config.timeout_s)
 
     def _broadcast(self, tensors: Iterator[torch.Tensor], metas: list[ParamMeta], server_call: Future) -> int:
         """Stream the tensors, then wait for the servers to confirm the update."""

@@ -40,10 +40,12 @@ def wait_for_work(work: Any, *, timeout_s: float, server_call: Future | None = N
         work.wait()
     except RuntimeError as e:
         # A server that refused the update leaves the group, so our broadcast
-        # fails too; its own answer says why, the socket error does not.
+        # fails too; its own answer says why, the socket error does not. It
+        # answers at once; a frozen one never does, and timeout_s bounds the
+        # wait for it too.
         if server_call is not None:
             try:
-                server_error = server_call.exception(timeout=5)
+                server_error = server_call.exception(timeout=min(5.0, max(deadline - time.monotonic(), 0.1)))
             except FutureTimeout:
                 server_error = None
             if server_error is not None:
