@@ -14,6 +14,7 @@ import requests
 import torch
 
 from wt_callbacks.demos import models
+from wt_callbacks.demos.multiprocess import free_port
 from wt_callbacks.demos.tiny_lms import TINY_LMS
 from wt_callbacks.receiver import Receiver
 from wt_callbacks.transfer import (
@@ -138,6 +139,16 @@ def test_released_vllm_call_form_names_the_backend_in_the_init_info():
 def test_bad_trainer_config_names_the_key(config, message):
     with pytest.raises(ValueError, match=message):
         TorchDistTrainerWeightTransferEngineAlias.parse_config(config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a trainer without CUDA")
+def test_nccl_transport_without_cuda_names_the_fix():
+    """Refused before any server is asked (the client here reaches nothing)."""
+    client = HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{free_port()}", timeout=5)
+    with pytest.raises(ValueError, match=r"transport='nccl' needs CUDA on the trainer.*'auto'.*'gloo'"):
+        WeightTransferTrainerFactory.trainer_init(
+            "torch_dist", {"transport": "nccl"}, LOCAL, client=client, source=ModuleSource(torch.nn.Linear(2, 2))
+        )
 
 
 @pytest.mark.parametrize(

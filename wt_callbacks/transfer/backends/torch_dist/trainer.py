@@ -153,6 +153,11 @@ class TorchDistTrainerWeightTransferEngine(
         return engine
 
     def _transport(self, master_address: str) -> str:
+        if self.config.transport == "nccl" and not torch.cuda.is_available():
+            raise ValueError(
+                "transport='nccl' needs CUDA on the trainer, and this process has no CUDA device; use "
+                "transport 'auto' (the shm ring to this host's servers, gloo to others) or 'gloo'"
+            )
         if self.config.transport != "auto":
             return self.config.transport
         if torch.cuda.is_available():
@@ -163,9 +168,9 @@ class TorchDistTrainerWeightTransferEngine(
         return "shm" if is_loopback(master_address) else "gloo"
 
     def _rendezvous(self, init_info: TorchDistTrainerInitInfo) -> None:
+        transport = self._transport(init_info.master_address)
         world_size = init_info.world_size if init_info.world_size is not None else group_world_size(self.client)
         timeout_s = self.config.timeout_s
-        transport = self._transport(init_info.master_address)
         device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
         master = open_store(init_info.master_address, init_info.master_port, world_size, is_master=True, timeout_s=timeout_s)
         port = master.port
