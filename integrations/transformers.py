@@ -160,9 +160,11 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
 
     def _key(self) -> str:
         # Tells this callback's saved state from that of another instance
-        # (another server group, another submodule) in the same checkpoint.
+        # (another section, another submodule) in the same checkpoint: what
+        # it syncs, not where to, since a restarted job's servers often have
+        # new hosts or ports (two instances need different hparams_keys).
         cfg = self.config.__dict__ if self.config is not None else self._overrides
-        return json.dumps([cfg.get("servers"), cfg.get("ray_actors"), cfg.get("module"), self.hparams_key])
+        return json.dumps([cfg.get("module"), self.hparams_key])
 
     def state(self) -> dict[str, Any]:
         counters = self.weight_sync.state_dict() if self.weight_sync is not None else dict(self._restored or {})
@@ -174,6 +176,18 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         args = _without_api_key({k: v for k, v in given.items() if v is not None and _json_value(v)})
         args["hparams_key"] = self.hparams_key
         return {"args": args, "attributes": {"_restored": {"key": self._key(), **counters}}}
+
+    def _refuse_twins(self) -> None:
+        """Two instances with one key would restore each other's counters.
+        Only the Trainer knows its callbacks: checked when it was given."""
+        handler = getattr(self.trainer, "callback_handler", None)
+        others = [c for c in getattr(handler, "callbacks", []) if isinstance(c, type(self)) and c is not self]
+        if any(c.config is not None and c._key() == self._key() for c in others):
+            raise ValueError(
+                f"two WeightSyncTrainerCallbacks read hparams_key={self.hparams_key!r} and send module="
+                f"{self.config.module!r}: their resume states would overwrite each other. Give each its "
+                "own hparams_key (one weight_sync section per server group)"
+            )
 
     def _take_saved_state(self, state: TrainerState) -> None:
         """After a resume: restore the counters this callback saved, and make
@@ -205,6 +219,7 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         _refuse_flat_shards(kwargs["model"])
         if self.config is None:
             self.config = self.resolve_config(args)
+        self._refuse_twins()
         self._take_saved_state(state)
         if self.trainer is None and state.is_world_process_zero:
             logger.warning(

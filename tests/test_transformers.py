@@ -44,7 +44,7 @@ def receivers():
 
 
 def test_single_process_syncs_on_optimizer_steps_logs_once_and_resumes(receivers, tmp_path):
-    first, second = receivers(), receivers()
+    first, second, restarted = receivers(), receivers(), receivers()
     section = {"servers": [first.url], "every_n_train_steps": 3, "timeout_s": 60}
     # The section as a field of the user's TrainingArguments subclass.
     result = run(str(tmp_path), weight_sync=section, callbacks=[{}])
@@ -57,19 +57,23 @@ def test_single_process_syncs_on_optimizer_steps_logs_once_and_resumes(receivers
     saved = json.loads((tmp_path / "checkpoint-6/trainer_state.json").read_text())
     assert saved["stateful_callbacks"]["WeightSyncTrainerCallback"]["attributes"]["_restored"]["last_synced_step"] == 6
 
-    # Resume from checkpoint-6, the section from a YAML file now; a second
-    # callback (another server, every 2 steps) that checkpoint knows nothing of.
-    (tmp_path / "ws.yaml").write_text(json.dumps({"weight_sync": section}))
+    # Resume from checkpoint-6, the section from a YAML file now, its server
+    # restarted on a new port (the state is keyed on what is synced, not
+    # where to); a second callback (another server, every 2 steps, its own
+    # hparams_key) that checkpoint knows nothing of.
+    (tmp_path / "ws.yaml").write_text(json.dumps({"weight_sync": {**section, "servers": [restarted.url]}}))
+    rollout = {"servers": [second.url], "every_n_train_steps": 2, "hparams_key": "rollout_sync"}
     resumed = run(
         str(tmp_path),
-        callbacks=[{"hparams": str(tmp_path / "ws.yaml")}, {"servers": [second.url], "every_n_train_steps": 2}],
+        callbacks=[{"hparams": str(tmp_path / "ws.yaml")}, rollout],
         resume_from=str(tmp_path / "checkpoint-6"),
     )
-    print("1 process, resumed at step 6:", first.core.version_history[len(EXPECTED) :], second.core.version_history)
+    print("1 process, resumed at step 6:", restarted.core.version_history, second.core.version_history)
     # A cold sync of the restored weights, then the cadence continues.
-    assert first.core.version_history == EXPECTED + ["step-6", "step-9", "step-10"]
+    assert first.core.version_history == EXPECTED
+    assert restarted.core.version_history == ["step-6", "step-9", "step-10"]
     assert second.core.version_history == ["step-6", "step-8", "step-10"]
-    assert module_checksums(first.model) == module_checksums(second.model) == resumed["checksums"]
+    assert module_checksums(restarted.model) == module_checksums(second.model) == resumed["checksums"]
     saved = json.loads((tmp_path / "checkpoint-10/trainer_state.json").read_text())["stateful_callbacks"]
     counters = {e["attributes"]["_restored"]["key"]: e["attributes"]["_restored"] for e in saved["WeightSyncTrainerCallback"]}
     # Counters continued from the checkpoint (3 rounds there, 3 since); each callback kept its own.
@@ -105,6 +109,13 @@ def test_misconfiguration_fails_when_the_trainer_is_built(tmp_path):
     model = toy_task.build_model(toy_task.build_tokenizer(), seed=0)
     with pytest.raises(ValueError, match="did you mean 'every_n_train_steps'"):
         Trainer(model=model, args=args, train_dataset=ReversalRows(8), callbacks=[WeightSyncTrainerCallback()])
+
+
+def test_two_callbacks_with_one_key_are_refused(receivers, tmp_path):
+    """They would restore each other's counters at a resume."""
+    first, second = receivers(), receivers()
+    with pytest.raises(ValueError, match=r"hparams_key='weight_sync' and send module=None.*own hparams_key"):
+        run(str(tmp_path), weight_sync={"servers": [first.url], "timeout_s": 60}, callbacks=[{}, {"servers": [second.url]}])
 
 
 def test_trl_sft_trainer(receivers, tmp_path):
