@@ -85,9 +85,11 @@ def test_container_without_section_takes_overrides_only():
     config = SyncConfig.from_hparams({"lr": 1e-3, "hidden": 8}, servers=[URL])
     assert config.servers == [URL]
     assert config.backend == "torch_dist"
-    # A training config sharing some key names with the section is not the section.
-    config = SyncConfig.from_hparams({"lr": 1e-3, "dtype": "bfloat16", "config": {"layers": 2}}, servers=[URL])
-    assert config.dtype is None and config.config == {}
+    # Keys of the section beside other keys: refused, not guessed either way
+    # (a training config holding a dtype, or a section with a stray key).
+    for mixed in ({"lr": 1e-3, "dtype": "bfloat16"}, {"every_n_train_steps": 50, "module": "model", "comment": "x"}):
+        with pytest.raises(ValueError, match=r"^weight_sync: these hyperparameters have no 'weight_sync' key, and they mix"):
+            SyncConfig.from_hparams(mixed, servers=[URL])
     # The section itself with a typo is still read as the section, to say so.
     with pytest.raises(ValueError, match=r"unknown key 'evry_n_train_steps'; did you mean 'every_n_train_steps'\?"):
         SyncConfig.from_hparams({"servers": [URL], "evry_n_train_steps": 2})

@@ -239,9 +239,10 @@ class SyncConfig:
         either a container holding the section under ``key``, or the section
         itself: without ``key``, ``obj`` counts as the section when every one
         of its keys is a ``SyncConfig`` field or a near miss of one (so typos
-        get a did-you-mean), and at least one is a field; otherwise it is
-        hyperparameters without the section (a training config that happens
-        to hold a ``dtype`` or a ``config``) and only ``overrides`` apply. ``overrides`` (constructor arguments of the
+        get a did-you-mean), and as hyperparameters without the section when
+        none is a field (only ``overrides`` apply); keys of both kinds (a
+        training config holding a ``dtype``, or a section with a stray key)
+        are refused, naming both, rather than guessed. ``overrides`` (constructor arguments of the
         framework adapter) win over the section; ``None`` means "not given".
         An override of a cadence key (or of ``servers`` / ``ray_actors``)
         replaces the section's cadence (destination) instead of clashing with it.
@@ -253,10 +254,17 @@ class SyncConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         if key in container:
             section = _as_mapping(container[key], what=key)
-        elif fields & set(container) and all(_field_or_near_miss(k, fields) for k in container):
-            section = container
-        else:
+        elif not fields & set(container):
             section = {}
+        else:
+            others = [k for k in container if not _field_or_near_miss(k, fields)]
+            if others:
+                raise ValueError(
+                    f"{key}: these hyperparameters have no {key!r} key, and they mix its keys "
+                    f"({sorted(fields & set(container))}) with others ({sorted(map(str, others))}): put the "
+                    f"section under {key!r}, or pass the section alone"
+                )
+            section = container
         given = {k: v for k, v in overrides.items() if v is not None}
         for group in EXCLUSIVE_GROUPS:
             if given.keys() & set(group):

@@ -258,13 +258,19 @@ def bounded(fn: Callable[[], Any], what: str, *, within_s: float) -> Any:
     past that): a config's ``timeout_s`` bounds a server call whatever
     timeout the client was built with. A call still running past the bound
     carries on in the background (its own timeout ends it)."""
+    future = in_daemon_thread(fn, f"wt-{what}")
     try:
-        return in_daemon_thread(fn, f"wt-{what}").result(timeout=within_s)
+        # exception(), not result(): the call's own TimeoutError (a socket's)
+        # is then the call's error, not "no answer".
+        error = future.exception(timeout=within_s)
     except FutureTimeout:
         raise WeightTransferError(
             f"{what}: no answer within {within_s:.3g} s; not waiting for it (the server is frozen or "
             "overloaded; raise timeout_s if it is just slow)"
         ) from None
+    if error is not None:
+        raise error
+    return future.result()
 
 
 def best_effort(fn: Callable[[], Any], what: str, *, within_s: float) -> Exception | None:

@@ -250,13 +250,16 @@ class TransferGroup:
             self._in_flight = deque()
             if works:
                 release = threading.Thread(target=_release, args=(pg, works), name="wt-release-group", daemon=True)
-                with _RELEASING_LOCK:
-                    _RELEASING[release] = time.monotonic() + self.timeout_s + _RELEASE_SLACK_S
                 release.start()
+                with _RELEASING_LOCK:
+                    # A thread frees the group when its run() returns, after
+                    # _release: it stays listed until then, and is joined.
+                    _RELEASING[:] = [(t, d) for t, d in _RELEASING if t.is_alive()]
+                    _RELEASING.append((release, time.monotonic() + self.timeout_s + _RELEASE_SLACK_S))
 
 
-_RELEASING: dict[threading.Thread, float] = {}
-"""Threads still freeing a group, with the time by which their operations end."""
+_RELEASING: list[tuple[threading.Thread, float]] = []
+"""Threads freeing a group, with the time by which their operations end."""
 _RELEASING_LOCK = threading.Lock()
 _RELEASE_SLACK_S = 5.0
 
@@ -268,13 +271,11 @@ def _release(pg: Any, works: list[Any]) -> None:
         except Exception:  # noqa: BLE001 - a failed or timed-out operation has ended too
             pass
     del pg
-    with _RELEASING_LOCK:
-        _RELEASING.pop(threading.current_thread(), None)
 
 
 @atexit.register
 def _wait_for_releases() -> None:
     with _RELEASING_LOCK:
-        releasing = list(_RELEASING.items())
+        releasing = list(_RELEASING)
     for thread, deadline in releasing:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))

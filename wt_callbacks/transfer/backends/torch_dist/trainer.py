@@ -169,8 +169,10 @@ class TorchDistTrainerWeightTransferEngine(
 
     def _rendezvous(self, init_info: TorchDistTrainerInitInfo) -> None:
         transport = self._transport(init_info.master_address)
-        world_size = init_info.world_size if init_info.world_size is not None else group_world_size(self.client)
         timeout_s = self.config.timeout_s
+        world_size = init_info.world_size
+        if world_size is None:
+            world_size = bounded(lambda: group_world_size(self.client), "get_world_size", within_s=timeout_s)
         device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
         master = open_store(init_info.master_address, init_info.master_port, world_size, is_master=True, timeout_s=timeout_s)
         port = master.port
