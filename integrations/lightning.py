@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from wt_callbacks.config import SyncConfig
+from wt_callbacks.config import SyncConfig, shared_resume_state_error
 from wt_callbacks.sync import Collectives, SyncResult, WeightSync
 
 
@@ -141,11 +141,7 @@ class WeightSyncCallback(Callback):
         self.config = self.resolve_config(pl_module)
         twins = [c for c in trainer.callbacks if isinstance(c, WeightSyncCallback) and c is not self and c.config]
         if any(c.state_key == self.state_key for c in twins):
-            raise ValueError(
-                f"two WeightSyncCallbacks read hparams_key={self.hparams_key!r} and send module="
-                f"{self.config.module!r}: their resume states would overwrite each other. Give each its "
-                "own hparams_key (one weight_sync section per server group)"
-            )
+            raise shared_resume_state_error(type(self).__name__, self.hparams_key, self.config.module)
 
     def _active(self, trainer: pl.Trainer) -> bool:
         return self.weight_sync is not None and not trainer.sanity_checking

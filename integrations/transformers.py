@@ -49,7 +49,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from wt_callbacks.config import SyncConfig
+from wt_callbacks.config import SyncConfig, shared_resume_state_error
 from wt_callbacks.sync import Collectives, SyncResult, WeightSync
 
 logger = logging.getLogger(__name__)
@@ -183,11 +183,7 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         handler = getattr(self.trainer, "callback_handler", None)
         others = [c for c in getattr(handler, "callbacks", []) if isinstance(c, type(self)) and c is not self]
         if any(c.config is not None and c._key() == self._key() for c in others):
-            raise ValueError(
-                f"two WeightSyncTrainerCallbacks read hparams_key={self.hparams_key!r} and send module="
-                f"{self.config.module!r}: their resume states would overwrite each other. Give each its "
-                "own hparams_key (one weight_sync section per server group)"
-            )
+            raise shared_resume_state_error(type(self).__name__, self.hparams_key, self.config.module)
 
     def _take_saved_state(self, state: TrainerState) -> None:
         """After a resume: restore the counters this callback saved, and make

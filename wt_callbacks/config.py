@@ -148,11 +148,10 @@ class SyncConfig:
         if isinstance(self.train_time_interval, datetime.timedelta):
             self.train_time_interval = self.train_time_interval.total_seconds()
         for key in given:
-            value = getattr(self, key)
             if key == "train_time_interval":
-                check_positive(key, value)
-            elif value != 0 or isinstance(value, bool):  # 0: periodic syncs off
-                check_positive(key, value, integer=True, zero_means="no periodic syncs")
+                check_positive(key, self.train_time_interval)
+            else:
+                check_positive(key, getattr(self, key), integer=True, zero_means="no periodic syncs")
         check_positive("timeout_s", self.timeout_s)
         if self.verify_every_n_syncs != 0:
             check_positive("verify_every_n_syncs", self.verify_every_n_syncs, integer=True)
@@ -271,6 +270,16 @@ class SyncConfig:
                 section = {k: v for k, v in section.items() if k not in group}
         merged = {**section, **given}
         return parse_dataclass(cls, merged, what=key)
+
+
+def shared_resume_state_error(callback: str, hparams_key: str, module: str | None) -> ValueError:
+    """What a framework adapter raises for two of its callbacks whose resume
+    states share one key (``hparams_key`` and ``module``, never the servers)."""
+    return ValueError(
+        f"two {callback}s read hparams_key={hparams_key!r} and send module={module!r}: their resume "
+        "states would overwrite each other. Give each its own hparams_key (one weight_sync section per "
+        "server group)"
+    )
 
 
 def _field_or_near_miss(key: Any, fields: set[str]) -> bool:

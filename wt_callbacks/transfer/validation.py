@@ -19,11 +19,15 @@ from wt_callbacks.transfer.base import dtype_from_name
 
 def check_positive(key: str, value: Any, *, integer: bool = False, zero_means: str | None = None) -> None:
     """``value`` must be a finite number > 0 (an ``int`` if ``integer``;
-    otherwise seconds). ``zero_means``: what a ``0`` the caller accepts does,
-    for the message. NaN fails too: every comparison with it is false, so a
-    NaN timeout or interval would never fire."""
+    otherwise seconds), or ``0`` when ``zero_means`` says what a ``0`` does
+    (it goes into the message). NaN fails too: every comparison with it is
+    false, so a NaN timeout or interval would never fire."""
     kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < math.inf:
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        ok = False
+    else:
+        ok = 0 < value < math.inf or (zero_means is not None and value == 0)
+    if not ok:
         raise ValueError(
             f"{key}={value!r} must be a positive " + ("integer" if integer else "number of seconds")
             + (f", or 0 for {zero_means}" if zero_means else "")
