@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -107,6 +108,36 @@ def test_bf16_wire(receiver_proc, factory):
             time.sleep(0.1)
     finally:
         engine.shutdown()
+
+
+def test_the_rings_single_threaded_casts_leave_other_threads_alone(receiver_proc):
+    """The ring's thread casts on one intra-op thread, but a thread started
+    after it keeps the process's setting (it fell to 1: the ring set torch's
+    process-wide default, so a trainer's data-loading threads and a server's
+    handlers ran single-threaded from the first sync on)."""
+    receiver = receiver_proc("wt_callbacks.demos.models:mixed_model")
+    model = models.mixed_model(seed=0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # not this host's default, so a reset to it shows too
+    try:
+        client, engine = connect(receiver.url, ModuleSource(model), transport="shm", dtype="bfloat16")
+        try:
+            engine.send_weights("bf16")
+            assert receiver_checksums(receiver.url) == module_checksums(model, via_dtype=torch.bfloat16)
+        finally:
+            engine.shutdown()
+        seen: list[int] = []
+
+        def later_thread() -> None:
+            torch.ones(256, 256).sum()  # a parallel op: when a thread takes up the default
+            seen.append(torch.get_num_threads())
+
+        thread = threading.Thread(target=later_thread)
+        thread.start()
+        thread.join(timeout=30)
+        assert seen == [3] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_one_round_reaches_two_receivers(receiver_proc):

@@ -165,6 +165,27 @@ def _fence() -> None:
         _FENCE_LOCK.release()
 
 
+def _use_one_intra_op_thread() -> None:
+    """Run this thread's torch ops on one intra-op thread, leaving the rest
+    of the process as it was.
+
+    ``torch.set_num_threads(1)`` would also store 1 as the process's default,
+    which every thread adopts at its first parallel op: a trainer's main
+    thread that had not run one yet, and every thread started later (data
+    loading, a server's request handlers), would then run single-threaded
+    for good. OpenMP's own setting is per thread, so set that alone, after
+    torch initialized this thread (``get_num_threads``), which would
+    otherwise overwrite it with the default at this thread's first parallel
+    op. Without an OpenMP runtime in the process, casts keep torch's default
+    and are only slower."""
+    torch.get_num_threads()
+    try:
+        set_omp_threads = ctypes.CDLL(None).omp_set_num_threads
+    except AttributeError:
+        return
+    set_omp_threads(1)
+
+
 class _ShmWork:
     """Handle of one ring broadcast, with the two methods callers use
     (``is_completed`` to poll, ``wait`` to collect the outcome), as gloo's
@@ -331,11 +352,11 @@ class ShmRing:
             self._jobs.put(None)
 
     def _stream(self) -> None:
-        # Per thread (OpenMP's setting is): the casts of CastParts stay on this
-        # thread whatever the trainer set. With 2 intra-op threads, casting
-        # 200 MB in 4 MiB pieces took 0.13-0.19 s instead of 0.03 s on a
-        # loaded 2-core host (a thread team woken per piece).
-        torch.set_num_threads(1)
+        # The casts of CastParts stay on this thread whatever the trainer set:
+        # with 2 intra-op threads, casting 200 MB in 4 MiB pieces took
+        # 0.13-0.19 s instead of 0.03 s on a loaded 2-core host (a thread team
+        # woken per piece).
+        _use_one_intra_op_thread()
         copy = self._send if self.rank == 0 else self._receive
         while (work := self._jobs.get()) is not None:
             if self._closed.is_set() and self._broken is None:
