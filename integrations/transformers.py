@@ -250,7 +250,11 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         ws = self.weight_sync
-        if ws is not None and ws.maybe_sync(state.global_step, epoch_end=True):
+        # The Trainer's own count (its state.epoch reaches a whole number at
+        # each epoch end), so a run resumed from a checkpoint without this
+        # callback's state keeps the every_n_epochs cadence.
+        epochs_done = int(state.epoch) if state.epoch is not None else None
+        if ws is not None and ws.maybe_sync(state.global_step, epoch_end=True, epochs_done=epochs_done):
             self._report(state, control, ws.last_result)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:

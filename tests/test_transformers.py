@@ -80,6 +80,19 @@ def test_single_process_syncs_on_optimizer_steps_logs_once_and_resumes(receivers
     assert sorted((c["syncs_completed"], c["last_synced_step"]) for c in counters.values()) == [(3, 10), (6, 10)]
 
 
+def test_epoch_cadence_follows_the_trainers_epochs_after_a_resume_without_its_state(receivers, tmp_path):
+    """16 rows: an epoch every 2 optimizer steps. A run without the callback
+    writes checkpoint-6 (3 epochs done); resumed with every_n_epochs=2, the
+    callback syncs at the end of epoch 4 (step 8), not 2 epochs after it
+    joined (it counted epochs itself and synced at step 10 only)."""
+    receiver = receivers()
+    run(str(tmp_path), rows=16)
+    section = {"servers": [receiver.url], "every_n_epochs": 2, "timeout_s": 60}
+    resumed = run(str(tmp_path), weight_sync=section, callbacks=[{}], rows=16, resume_from=str(tmp_path / "checkpoint-6"))
+    assert receiver.core.version_history == ["step-6", "step-8", "step-10"]
+    assert module_checksums(receiver.model) == resumed["checksums"]
+
+
 def test_two_processes_torchrun_gloo(receiver_proc, tmp_path):
     receiver = receiver_proc(SERVED)
     out = tmp_path / "result.json"

@@ -61,12 +61,14 @@ def run(
     callbacks: list[dict[str, Any]] = (),
     max_steps: int = 10,
     resume_from: str | None = None,
+    rows: int = 400,
 ) -> dict[str, Any]:
-    """Train the toy LM; ``weight_sync`` is the TrainingArguments field, each
-    dict of ``callbacks`` the keyword arguments of one added callback."""
+    """Train the toy LM on ``rows`` examples (8 per optimizer step);
+    ``weight_sync`` is the TrainingArguments field, each dict of
+    ``callbacks`` the keyword arguments of one added callback."""
     model = toy_task.build_model(toy_task.build_tokenizer(), seed=0)
     args = SyncTrainingArguments(weight_sync=weight_sync or {}, **training_arguments(out_dir, max_steps))
-    trainer = Trainer(model=model, args=args, train_dataset=ReversalRows())
+    trainer = Trainer(model=model, args=args, train_dataset=ReversalRows(rows))
     for kwargs in callbacks:
         trainer.add_callback(WeightSyncTrainerCallback(trainer, **kwargs))
     trainer.train(resume_from_checkpoint=resume_from)
