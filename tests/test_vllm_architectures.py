@@ -41,7 +41,7 @@ from wt_callbacks.verify import ProbeSet, served_logprob_diff
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-FAMILIES = ["llama_tied", "qwen2_tied", "qwen3_tied", "gemma3_text", "phi3", "gpt2", "qwen3_moe"]
+FAMILIES = ["llama_tied", "qwen2_tied", "qwen3_tied", "gemma3_text", "phi3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"]
 """qwen3_moe last: the MoE tests after the matrix use its server."""
 FP32_ATOL = 1e-4
 BF16_ATOL = 0.1

@@ -5,8 +5,10 @@ and the toy task's 20-token vocabulary, so a vLLM server starts as fast as it
 can and the toy task trains them. Each has every kind of weight its real
 architecture has: tied embeddings (Llama-3.2, Qwen2.5/3 small, Gemma),
 q/k norms (Qwen3, Gemma-3), qkv bias (Qwen2), fused MoE experts that
-transformers keeps packed in memory (Qwen3-MoE), fused qkv and gate_up
-(Phi-3), Conv1D layouts (GPT-2).
+transformers keeps packed in memory under other names than its checkpoints'
+(Qwen3-MoE; Mixtral's ``block_sparse_moe.experts.{e}.w1``; Qwen2-MoE's
+shared expert and its gate beside them), fused qkv and gate_up (Phi-3),
+Conv1D layouts (GPT-2).
 
 Built with the default seed they are what a receiver serves
 (``--module-factory wt_callbacks.demos.tiny_lms:qwen3_moe``); a trainer builds
@@ -92,6 +94,23 @@ def qwen3_moe(seed: int = RECEIVER_SEED) -> torch.nn.Module:
     )  # fmt: skip
 
 
+def mixtral(seed: int = RECEIVER_SEED) -> torch.nn.Module:
+    return _build(
+        "MixtralConfig", "MixtralForCausalLM", seed,
+        _decoder(head_dim=HEAD_DIM, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+    )  # fmt: skip
+
+
+def qwen2_moe(seed: int = RECEIVER_SEED) -> torch.nn.Module:
+    return _build(
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM", seed,
+        _decoder(
+            tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
+            shared_expert_intermediate_size=2 * HIDDEN, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
+        ),
+    )  # fmt: skip
+
+
 def gemma3_text(seed: int = RECEIVER_SEED) -> torch.nn.Module:
     return _build(
         "Gemma3TextConfig", "Gemma3ForCausalLM", seed,
@@ -115,7 +134,7 @@ def gpt2(seed: int = RECEIVER_SEED) -> torch.nn.Module:
 
 
 TINY_LMS: dict[str, Callable[..., torch.nn.Module]] = {
-    f.__name__: f for f in (llama_untied, llama_tied, qwen2_tied, qwen3_tied, qwen3_moe, gemma3_text, phi3, gpt2)
+    f.__name__: f for f in (llama_untied, llama_tied, qwen2_tied, qwen3_tied, qwen3_moe, mixtral, qwen2_moe, gemma3_text, phi3, gpt2)
 }
 
 
