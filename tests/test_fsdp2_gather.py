@@ -103,6 +103,37 @@ def _checkpoint_format(rank: int, world: int) -> dict:
     return results
 
 
+def _held_unsharded_or_sharded_late(rank: int, world: int) -> dict:
+    """What a source sends is the weights whatever state FSDP2 is in: after a
+    forward without a backward under ``reshard_after_forward=False`` (bf16
+    compute copies registered as the parameters: they were sent, and
+    described as bf16), and for a source built before ``fully_shard`` (it
+    kept treating the DTensors as whole tensors and failed the round)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _model()
+    early = ModuleSource(model)
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in (model.odd, model.big):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    x = torch.randn(3, 7)
+    model.odd(x).float().sum().backward()  # a training step's backward: resharded after it
+    weights = {n: materialize_full_tensor(p.detach()) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model.odd(x)  # validation: the unsharded bf16 copies stay registered
+    assert any(p.dtype == torch.bfloat16 and not hasattr(p, "full_tensor") for p in model.odd.parameters())
+    results = {}
+    for label, source in (("built before fully_shard", early), ("built after the forward", ModuleSource(model))):
+        sent = list(source)
+        results[(label, "metadata")] = {m.name: m.dtype for m in source.metadata()} == {n: w.dtype for n, w in weights.items()}
+        for name, tensor in sent:
+            results[(label, name)] = tensor.dtype == weights[name].dtype and torch.equal(tensor, weights[name])
+    return results
+
+
 def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -112,6 +143,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         results = _sharded_placements(rank, world)
         results.update(_checkpoint_format(rank, world))
+        results.update(_held_unsharded_or_sharded_late(rank, world))
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
     finally:
@@ -128,6 +160,7 @@ def test_bucketed_gather_equals_full_tensor():
     assert len(results) >= 2 * 3 * 2 * 9
     assert any("experts.0.up_proj" in str(k) for k in results), "the MoE model's experts were not sent per expert"
     assert not any("experts.1." in str(k) and "bfloat16" in str(k) for k in results), "exclude was ignored"
+    assert sum("built before fully_shard" in str(k) for k in results) == 1 + len(dict(_model().named_parameters()))
 
 
 def test_bucket_bytes_must_be_positive():

@@ -188,7 +188,7 @@ def test_fsdp1_sends_what_the_unwrapped_model_sends(tmp_path):
         )
     assert out["mixed"] == (
         "the module mixes sharding schemes: FSDP1 (FullyShardedDataParallel) (unit 'a') and DTensor "
-        "(FSDP2 fully_shard / tensor parallel) (parameter 'b.weight'). Shard it with one scheme, or send a "
+        "(FSDP2 fully_shard / tensor parallel) (fully_shard module 'b'). Shard it with one scheme, or send a "
         "part that uses one (module: ...)"
     )
 

@@ -158,22 +158,47 @@ class FSDP2Shards(ParameterGather):
     Args:
         module: the module whose parameters are gathered.
         bucket_bytes: full bytes gathered per all-gather.
+        sharded_root: the module as the framework holds it, when ``module``
+            is a part of it (its ``fully_shard`` groups may own some of
+            ``module``'s parameters); default ``module``.
     """
 
     scheme = "fsdp2"
 
-    def __init__(self, module: torch.nn.Module, bucket_bytes: int = DEFAULT_GATHER_BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        bucket_bytes: int = DEFAULT_GATHER_BUCKET_BYTES,
+        sharded_root: torch.nn.Module | None = None,
+    ) -> None:
         super().__init__(module)
         check_positive("bucket_bytes", bucket_bytes, integer=True)
         self.bucket_bytes = bucket_bytes
+        self.sharded_root = sharded_root if sharded_root is not None else module
         self._scratch: dict[tuple[str, int, torch.device], torch.Tensor] = {}
         self._mesh_groups: dict[Any, Any] = {}
 
+    def _resharded(self) -> None:
+        """After a forward without a backward under ``reshard_after_forward=False``
+        (Lightning's validation just before ``on_train_epoch_end``), FSDP2
+        leaves its unsharded parameters registered: plain tensors, and under
+        a ``MixedPrecisionPolicy`` the ``param_dtype`` compute copies, not the
+        weights. ``reshard()`` registers the sharded ``DTensor`` s again
+        (local, no communication; the next forward gathers as it would have
+        after a backward)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for sub in self.sharded_root.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+
     def parameters(self) -> list[ParamMeta]:
+        self._resharded()
         # A DTensor's shape and dtype are the global ones: no communication.
         return [ParamMeta(name, p.dtype, tuple(p.shape)) for name, p in self.module.named_parameters()]
 
     def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        self._resharded()
         posted: _Posted | None = None
         parity = 0
         try:

@@ -103,5 +103,5 @@ def gather_for(module: torch.nn.Module, submodule: str | None = None) -> Paramet
     if scheme == DTENSOR:
         from wt_callbacks.transfer.sources.fsdp2 import FSDP2Shards
 
-        return FSDP2Shards(root)
+        return FSDP2Shards(root, sharded_root=module)
     return LocalParameters(root)

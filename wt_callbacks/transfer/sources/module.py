@@ -14,7 +14,8 @@ framework holds it. Four concerns, each in its own room:
 
 The plan linking them (which parameters feed which sent tensors) is built
 from names and shapes alone, so ``metadata()`` never gathers, and it is
-rebuilt only when the parameters change (``fully_shard`` after setup).
+rebuilt only when the parameters change (``fully_shard`` after setup, which
+also changes the gatherer).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from wt_callbacks.naming import checkpoint_name, find_submodule
 from wt_callbacks.transfer.base import ParamMeta, WeightSource
 from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout, ConversionGroup
 from wt_callbacks.transfer.sources.gathering import ParameterGather, gather_for
+from wt_callbacks.transfer.sources.schemes import sharding_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,7 @@ class ModuleSource(WeightSource):
         self.exclude = tuple(exclude)
         self._root = find_submodule(module, submodule)
         self._gather: ParameterGather = gather_for(module, submodule)
+        self._held_by = sharding_scheme(module, self._root)
         self._layout = CheckpointLayout(self._root)
         self._plan_cache: _Plan | None = None
         plan = self._plan()
@@ -165,6 +168,9 @@ class ModuleSource(WeightSource):
         return not any(fnmatchcase(name, p) for p in self.exclude)
 
     def _plan(self) -> _Plan:
+        held_by = sharding_scheme(self._module, self._root)
+        if held_by != self._held_by:  # sharded after this source was built (fully_shard, FSDP1)
+            self._gather, self._held_by = gather_for(self._module, self._submodule), held_by
         key = tuple(ParamMeta(m.name, self._wire(m.dtype), m.shape) for m in self._gather.parameters())
         if self._plan_cache is not None and self._plan_cache.key == key:
             return self._plan_cache

@@ -43,13 +43,17 @@ def sharding_scheme(module: torch.nn.Module, root: torch.nn.Module) -> str | Non
 
 def _schemes(module: torch.nn.Module, root: torch.nn.Module) -> dict[str, str]:
     """The sharding schemes found, each with where it was first seen."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
     found: dict[str, str] = {}
     for name, sub in module.named_modules():
         if isinstance(sub, FullyShardedDataParallel):
             found.setdefault(FSDP1, f"unit {name!r}" if name else "the root unit")
+        elif isinstance(sub, FSDPModule):
+            # Not only its DTensor parameters: after a forward without a
+            # backward it may hold them unsharded, as plain tensors.
+            found.setdefault(DTENSOR, f"fully_shard module {name!r}" if name else "the fully_shard root")
     for name, param in root.named_parameters():
         # Set on FSDP1's flat parameters and, under use_orig_params, on the originals.
         if getattr(param, "_fsdp_flattened", False):
