@@ -13,6 +13,8 @@ import pytest
 import requests
 import torch
 
+from tests.support.transfer import connect
+from wt_callbacks.checksums import module_checksums
 from wt_callbacks.demos import models
 from wt_callbacks.demos.multiprocess import free_port
 from wt_callbacks.demos.tiny_lms import TINY_LMS
@@ -454,6 +456,34 @@ class _ListSource(WeightSource):
 
     def __iter__(self):
         return iter(self.items)
+
+
+def _normed(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    model.register_buffer("scratch", torch.zeros(3), persistent=False)  # not in a checkpoint: not sent
+    return model
+
+
+def test_persistent_buffers_are_sent_as_a_checkpoint_holds_them():
+    """A checkpoint holds a module's persistent buffers (BatchNorm's running
+    statistics, an int64 counter among them; a MoE router's bias in
+    DeepSeek-V3): they are sent after the parameters, and a receiver serving
+    the same module takes them (they were left out, and the server kept its own)."""
+    trainer, served = _normed(0), _normed(1)
+    trainer(torch.randn(8, 4) * 3 + 1)  # train mode: the running statistics move
+    source = ModuleSource(trainer)
+    assert [m.name for m in source.metadata()] == list(trainer.state_dict())
+    with Receiver(served) as receiver:
+        receiver.start()
+        client, engine = connect(receiver.url, source)
+        try:
+            engine.send_weights("v1")
+        finally:
+            engine.shutdown()
+            client.close()
+        assert module_checksums(served) == module_checksums(trainer)
+    assert served[1].num_batches_tracked.item() == 1 and torch.equal(served[1].running_var, trainer[1].running_var)
 
 
 def test_generic_sources_get_a_casting_wrapper():

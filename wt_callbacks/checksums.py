@@ -13,6 +13,7 @@ import hashlib
 import torch
 
 from wt_callbacks.transfer.base import materialize_full_tensor
+from wt_callbacks.transfer.sources.gathering import persistent_buffers
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
@@ -22,15 +23,16 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 
 
 def module_checksums(module: torch.nn.Module, *, via_dtype: torch.dtype | None = None) -> dict[str, str]:
-    """Checksums of ``module.named_parameters()``, keyed by name.
+    """Checksums of ``module.named_parameters()`` and its persistent buffers
+    (what a sync sends), keyed by name.
 
     FSDP2-sharded parameters are gathered (a collective: call it on every
-    rank). ``via_dtype`` rounds floating-point parameters through a wire dtype
+    rank). ``via_dtype`` rounds floating-point tensors through a wire dtype
     first: what a receiver holding the model's dtype stores after a sync with
     ``dtype=via_dtype``.
     """
     out = {}
-    for name, param in module.named_parameters():
+    for name, param in [*module.named_parameters(), *persistent_buffers(module).items()]:
         tensor = materialize_full_tensor(param.detach())
         if via_dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(via_dtype).to(param.dtype)

@@ -7,8 +7,9 @@ architecture has: tied embeddings (Llama-3.2, Qwen2.5/3 small, Gemma),
 q/k norms (Qwen3, Gemma-3), qkv bias (Qwen2), fused MoE experts that
 transformers keeps packed in memory under other names than its checkpoints'
 (Qwen3-MoE; Mixtral's ``block_sparse_moe.experts.{e}.w1``; Qwen2-MoE's
-shared expert and its gate beside them), fused qkv and gate_up (Phi-3),
-Conv1D layouts (GPT-2).
+shared expert and its gate beside them), multi-head latent attention and a
+router bias held as a persistent buffer (DeepSeek-V3), norms after attention
+and MLP (OLMo-2), fused qkv and gate_up (Phi-3), Conv1D layouts (GPT-2).
 
 Built with the default seed they are what a receiver serves
 (``--module-factory wt_callbacks.demos.tiny_lms:qwen3_moe``); a trainer builds
@@ -111,6 +112,22 @@ def qwen2_moe(seed: int = RECEIVER_SEED) -> torch.nn.Module:
     )  # fmt: skip
 
 
+def deepseek_v3(seed: int = RECEIVER_SEED) -> torch.nn.Module:
+    return _build(
+        "DeepseekV3Config", "DeepseekV3ForCausalLM", seed,
+        _decoder(
+            tie_word_embeddings=False, num_key_value_heads=HIDDEN // HEAD_DIM, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, moe_intermediate_size=HIDDEN, first_k_dense_replace=1, n_group=1, topk_group=1,
+            q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+            rope_scaling=None, topk_method="noaux_tc", scoring_func="sigmoid",
+        ),
+    )  # fmt: skip
+
+
+def olmo2(seed: int = RECEIVER_SEED) -> torch.nn.Module:
+    return _build("Olmo2Config", "Olmo2ForCausalLM", seed, _decoder(tie_word_embeddings=False))
+
+
 def gemma3_text(seed: int = RECEIVER_SEED) -> torch.nn.Module:
     return _build(
         "Gemma3TextConfig", "Gemma3ForCausalLM", seed,
@@ -134,7 +151,7 @@ def gpt2(seed: int = RECEIVER_SEED) -> torch.nn.Module:
 
 
 TINY_LMS: dict[str, Callable[..., torch.nn.Module]] = {
-    f.__name__: f for f in (llama_untied, llama_tied, qwen2_tied, qwen3_tied, qwen3_moe, mixtral, qwen2_moe, gemma3_text, phi3, gpt2)
+    f.__name__: f for f in (llama_untied, llama_tied, qwen2_tied, qwen3_tied, qwen3_moe, mixtral, qwen2_moe, deepseek_v3, olmo2, gemma3_text, phi3, gpt2)
 }
 
 

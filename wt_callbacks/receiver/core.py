@@ -23,6 +23,7 @@ from wt_callbacks.checksums import module_checksums
 from wt_callbacks.transfer.base import ParamMeta, WeightTransferConfig, WeightTransferUpdatePayload, dtype_name
 from wt_callbacks.transfer.factory import WeightTransferEngineFactory
 from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout
+from wt_callbacks.transfer.sources.gathering import persistent_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ class StagedWeights:
         layout: CheckpointLayout | None = None,
         spares: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        self._params = dict(model.named_parameters())
+        # What a sync sends: the parameters and the persistent buffers.
+        self._params = {**dict(model.named_parameters()), **persistent_buffers(model)}
         self._layout = layout if layout is not None else CheckpointLayout(model)
         groups = self._layout.plan([ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self._params.items()])
         self._group_of = {o.name: g for g in groups for o in g.outputs}

@@ -77,6 +77,23 @@ class LocalParameters(ParameterGather):
             yield name, _wire(params[name].detach(), dtype)
 
 
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``module.state_dict()`` holds, and so ``save_pretrained``
+    writes and a server loads (a MoE router's ``e_score_correction_bias`` in
+    DeepSeek-V3 and GLM-4-MoE), each tensor once, under its name relative to
+    ``module``. Every scheme here keeps buffers whole on every rank (FSDP1,
+    FSDP2 and ZeRO-3 shard parameters only), so they need no gather."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is None or name in sub._non_persistent_buffers_set or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            found[f"{prefix}.{name}" if prefix else name] = buffer
+    return found
+
+
 def gather_for(module: torch.nn.Module, submodule: str | None = None) -> ParameterGather:
     """The gatherer for how ``module``'s parameters are held, reporting those
     of its ``submodule`` (a path in checkpoint naming; ``None``: all).

@@ -21,6 +21,7 @@ also changes the gatherer).
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ import torch
 from wt_callbacks.naming import checkpoint_name, find_submodule
 from wt_callbacks.transfer.base import ParamMeta, WeightSource
 from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout, ConversionGroup
-from wt_callbacks.transfer.sources.gathering import ParameterGather, gather_for
+from wt_callbacks.transfer.sources.gathering import ParameterGather, _wire, gather_for, persistent_buffers
 from wt_callbacks.transfer.sources.schemes import sharding_scheme
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,9 @@ class _Plan:
 
     key: tuple[ParamMeta, ...]
     gather_names: tuple[str, ...]
-    """Names as the module holds them, to gather, in stream order."""
+    """Parameter names as the module holds them, to gather, in stream order."""
+    buffer_names: tuple[str, ...]
+    """Persistent buffers to send after them (whole on every rank)."""
     groups: tuple[ConversionGroup, ...]
     """The groups with at least one sent output, in completion order."""
     sent: frozenset[str]
@@ -58,9 +61,10 @@ class ModuleSource(WeightSource):
     """``WeightSource`` over a (possibly wrapped or sharded) module, in checkpoint format.
 
     Iterating yields what ``save_pretrained`` would write for the selected
-    module: checkpoint names, full shapes and layouts, tied parameters once.
-    A module that is not a transformers model is sent as its
-    ``named_parameters()`` (wrapper segments stripped).
+    module: checkpoint names, full shapes and layouts, tied parameters once,
+    persistent buffers after the parameters. A module that is not a
+    transformers model is sent as its ``named_parameters()`` and persistent
+    buffers (its ``state_dict()``, wrapper segments stripped).
 
     Args:
         module: the module as the training framework holds it: plain, DDP,
@@ -153,9 +157,11 @@ class ModuleSource(WeightSource):
 
     def _sent(self, gather_dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         plan = self._plan()
-        raw_to_name = {raw: checkpoint_name(raw) for raw in plan.gather_names}
+        raw_to_name = {raw: checkpoint_name(raw) for raw in plan.gather_names + plan.buffer_names}
         gathered = ((raw_to_name[raw], t) for raw, t in self._gather.gather(plan.gather_names, gather_dtype))
-        yield from self._convert(plan, gathered)
+        buffers = persistent_buffers(self._root)
+        whole = ((raw_to_name[raw], _wire(buffers[raw].detach(), gather_dtype)) for raw in plan.buffer_names)
+        yield from self._convert(plan, itertools.chain(gathered, whole))
 
     # -- the plan --------------------------------------------------------------
 
@@ -171,7 +177,9 @@ class ModuleSource(WeightSource):
         held_by = sharding_scheme(self._module, self._root)
         if held_by != self._held_by:  # sharded after this source was built (fully_shard, FSDP1)
             self._gather, self._held_by = gather_for(self._module, self._submodule), held_by
-        key = tuple(ParamMeta(m.name, self._wire(m.dtype), m.shape) for m in self._gather.parameters())
+        buffers = persistent_buffers(self._root)
+        held = self._gather.parameters() + [ParamMeta(n, b.dtype, tuple(b.shape)) for n, b in buffers.items()]
+        key = tuple(ParamMeta(m.name, self._wire(m.dtype), m.shape) for m in held)
         if self._plan_cache is not None and self._plan_cache.key == key:
             return self._plan_cache
         origin: dict[str, str] = {}
@@ -199,7 +207,8 @@ class ModuleSource(WeightSource):
         needed = {i for g in kept for i in g.inputs}
         self._plan_cache = _Plan(
             key=key,
-            gather_names=tuple(origin[m.name] for m in metas if m.name in needed),
+            gather_names=tuple(origin[m.name] for m in metas if m.name in needed and origin[m.name] not in buffers),
+            buffer_names=tuple(origin[m.name] for m in metas if m.name in needed and origin[m.name] in buffers),
             groups=kept,
             sent=sent,
             unselected=frozenset(outputs - sent),
