@@ -56,7 +56,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,20 +193,22 @@ class MoeKernelRebuild:
 
 class LiveParameters:
     """Loadable parameters layerwise reload never moves to meta (vLLM's
-    ``SKIP_TENSORS`` less ``SKIP_LOAD_TENSORS``: ``bias``). Their loaders write
-    into the served tensor while the round streams, before the layer is
-    complete, so keeping a layer's previous weights needs their values saved
-    at start. Built with layerwise reload initialized."""
+    ``SKIP_TENSORS``): ``bias``, whose loader it wraps and counts, and the
+    ``SKIP_LOAD_TENSORS`` it neither wraps nor counts but the model's loader
+    still writes with ``default_weight_loader`` (the router's
+    ``e_score_correction_bias`` of DeepSeek-V2/V3 and GLM-4-MoE). Their
+    loaders write into the served tensor while the round streams, before the
+    layer is complete, so keeping a layer's previous weights needs their
+    values saved at start. Built with layerwise reload initialized."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_TENSORS
+        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
 
-        names = SKIP_TENSORS - SKIP_LOAD_TENSORS
         self.entries = [
             (layer, attr, p)
             for layer in model.modules()
             for attr, p in layer._parameters.items()
-            if attr in names and p is not None and not p.is_meta
+            if attr in SKIP_TENSORS and p is not None and not p.is_meta
         ]  # fmt: skip
         self._saved: dict[int, torch.Tensor] = {}
 
@@ -220,11 +222,16 @@ class LiveParameters:
                 if (layer_ids is None or id(layer) in layer_ids) and id(p) in self._saved:
                     p.copy_(self._saved[id(p)])
 
-    def to_meta(self) -> None:
-        from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
+    def to_meta(self, record_uncounted: Callable[..., None]) -> None:
+        """Meta stand-ins for a trace. Those of uncounted tensors get
+        ``record_uncounted`` as their loader: no wrapped loader reports them."""
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, to_meta_tensor
 
         for layer, attr, p in self.entries:
-            layer._parameters[attr] = to_meta_tensor(p)
+            meta = to_meta_tensor(p)
+            if attr in SKIP_LOAD_TENSORS:
+                meta.weight_loader = record_uncounted
+            layer._parameters[attr] = meta
 
     def put_back(self) -> None:
         for layer, attr, p in self.entries:
@@ -352,16 +359,20 @@ def trace_load(model: torch.nn.Module, metas: list[Meta]) -> LoadTrace:
     it was."""
     from vllm.model_executor.model_loader.reload import layerwise
 
+    trace = LoadTrace({}, {})
+    current: list[str | None] = [None]
+
+    def record_uncounted(param: torch.Tensor, *_: Any, **__: Any) -> None:
+        trace.targets.setdefault(current[0], set()).add(params.get(id(param), ("?", "?")))
+
     live = LiveParameters(model)
-    live.to_meta()  # loaded straight into the served tensor otherwise
+    live.to_meta(record_uncounted)  # loaded straight into the served tensor otherwise
     params = {
         id(p): (layer_name, attr)
         for layer_name, layer in model.named_modules()
         for attr, p in layer._parameters.items()
         if p is not None
     }
-    trace = LoadTrace({}, {})
-    current: list[str | None] = [None]
     real_count = layerwise.get_numel_loaded
 
     def count_completed(layer: torch.nn.Module, info: Any) -> None:
