@@ -39,6 +39,19 @@ pytestmark = pytest.mark.slow
 TIMEOUT = datetime.timedelta(seconds=120)
 
 
+class SharingPolicy(nn.Module):
+    """A reference embedding registered before the served model shares its
+    weight: the tensor's first path lies outside ``.model``, its path inside
+    names it when ``.model`` is sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.reference = nn.Embedding(300, 48)
+        self.model = models.mixed_model(seed=0)
+        self.model.embed.weight = self.reference.weight
+
+
 class Policy(nn.Module):
     """A policy as a LightningModule holds it: the served model at ``.model``, a value head beside it."""
 
@@ -149,6 +162,7 @@ def _fsdp1_rank(rank: int, port: int, out_dir: str, checkpoints: dict[str, str])
             wrapped = fsdp1(Policy(), orig)
             assert ModuleSource(wrapped).scheme == "fsdp1"
             assert_sends_like(wrapped, Policy())
+            assert_sends_like(fsdp1(SharingPolicy(), orig), SharingPolicy())
 
             qwen = fsdp1(TINY_LMS["qwen3_moe"](seed=0), orig, units=(Qwen3MoeDecoderLayer,))
             assert_sends_checkpoint(qwen, checkpoints["qwen3_moe"])

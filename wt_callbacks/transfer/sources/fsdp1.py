@@ -107,10 +107,17 @@ class FSDP1Units(ParameterGather):
             managed.add(id(flat))
             managed.update(id(p) for p in (*(flat._params or ()), *(flat._shared_params or ())))
             originals = flat._params or [None] * len(flat._fqns)
+            # Other paths of a tensor shared within the unit: the one inside
+            # the submodule names it when its first path lies outside.
+            also_at: dict[str, list[str]] = {}
+            for info in flat._shared_param_infos:
+                primary = f"{info.prim_module_name}.{info.prim_param_name}" if info.prim_module_name else info.prim_param_name
+                also_at.setdefault(primary, []).append(f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name)
             names, indices = [], []
             for index, (fqn, shape, original) in enumerate(zip(flat._fqns, flat._shapes, originals)):
                 raw = first_path.get(id(original)) if original is not None else None
-                name = self._selected(raw or (f"{path}.{fqn}" if path else fqn))
+                in_unit = [f"{path}.{f}" if path else f for f in (fqn, *also_at.get(fqn, ()))]
+                name = next((n for n in map(self._selected, [raw, *in_unit] if raw else in_unit) if n is not None), None)
                 if name is not None:
                     names.append(name)
                     indices.append(index)
