@@ -303,7 +303,7 @@ def test_deepspeed_sends_what_the_unwrapped_model_sends(tmp_path):
     assert shm_files() == before
     out = json.loads((tmp_path / "result.json").read_text())
     assert out["nvme"].startswith(
-        "DeepSpeed ZeRO-3 keeps 'module.model.transposed' on NVMe (offload_param device: nvme): weight sync "
+        "DeepSpeed ZeRO-3 keeps 'model.transposed' on NVMe (offload_param device: nvme): weight sync "
         "gathers groups of parameters, more at once than DeepSpeed's NVMe swapper holds. Use offload_param "
         "device: cpu"
     )

@@ -92,13 +92,13 @@ def config(url: str, **kwargs) -> SyncConfig:
 @pytest.mark.parametrize(
     "raw, expected",
     [
-        ("module.model.layers.0.attn.weight", "model.layers.0.attn.weight"),
-        ("model.module.weight", "model.module.weight"),  # only a leading `module` is DDP's
-        ("_orig_mod.module.lm_head.weight", "lm_head.weight"),
+        # DDP's `module` is unwrapped, never stripped: this one is the model's own attribute.
+        ("module.model.layers.0.attn.weight", "module.model.layers.0.attn.weight"),
+        ("_orig_mod.lm_head.weight", "lm_head.weight"),
         ("model.layers.0._orig_mod.attn.weight", "model.layers.0.attn.weight"),
         ("_fsdp_wrapped_module.model._fsdp_wrapped_module.norm.bias", "model.norm.bias"),
         ("model.layers.1._checkpoint_wrapped_module.mlp.weight", "model.layers.1.mlp.weight"),
-        ("module._forward_module.model.lm_head.weight", "model.lm_head.weight"),
+        ("_forward_module.model.lm_head.weight", "model.lm_head.weight"),
         ("lm_head.weight_orig_mod", "lm_head.weight_orig_mod"),  # whole segments only
     ],
 )
@@ -111,6 +111,19 @@ def single_process_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def test_a_models_own_module_attribute_is_named_alike_with_and_without_ddp(single_process_group):
+    """DDP's wrapper is unwrapped, not a leading `module` segment dropped: a
+    model's own `module` attribute is named the same on one device and under
+    DDP (one device dropped the segment, DDP kept it), and module= reaches it
+    under both."""
+    model = torch.nn.Module()
+    model.module = torch.nn.Linear(2, 2)
+    model.head = torch.nn.Linear(2, 1)
+    for held in (model, DistributedDataParallel(model), torch.compile(DistributedDataParallel(model))):
+        assert [m.name for m in ModuleSource(held).metadata()] == ["module.weight", "module.bias", "head.weight", "head.bias"]
+        assert [m.name for m in ModuleSource(held, submodule="module").metadata()] == ["weight", "bias"]
 
 
 def test_names_through_ddp_compile_and_checkpoint_wrappers(single_process_group):
@@ -152,12 +165,12 @@ def test_include_exclude_fnmatch(caplog):
 
 
 def test_two_parameters_with_one_name_are_refused():
-    # A root child called `module` reads as DDP's wrapper, so its lm_head meets the root's.
+    # A root child called `_orig_mod` reads as torch.compile's wrapper, so its lm_head meets the root's.
     clash = torch.nn.Module()
     clash.lm_head = torch.nn.Linear(2, 2, bias=False)
-    clash.module = torch.nn.Module()
-    clash.module.lm_head = torch.nn.Linear(2, 2, bias=False)
-    with pytest.raises(ValueError, match=r"parameters 'lm_head.weight' and 'module.lm_head.weight' both become 'lm_head.weight' once wrapper prefixes are stripped; send only one of them with module= or exclude="):
+    clash._orig_mod = torch.nn.Module()
+    clash._orig_mod.lm_head = torch.nn.Linear(2, 2, bias=False)
+    with pytest.raises(ValueError, match=r"parameters 'lm_head.weight' and '_orig_mod.lm_head.weight' both become 'lm_head.weight' once wrapper prefixes are stripped; send only one of them with module= or exclude="):
         ModuleSource(clash)
 
 

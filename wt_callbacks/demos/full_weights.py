@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from wt_callbacks.checksums import tensor_sha256
-from wt_callbacks.naming import checkpoint_name
+from wt_callbacks.naming import checkpoint_name, unwrap_data_parallel
 from wt_callbacks.transfer import materialize_full_tensor
 
 
@@ -26,6 +26,7 @@ def full_state(module: torch.nn.Module, *, via_dtype: torch.dtype | None = None)
     ones through a wire dtype, as a receiver holding their dtype stores them."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    module = unwrap_data_parallel(module)
     params = list(module.parameters())
     if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
         with FullyShardedDataParallel.summon_full_params(module, writeback=False):
