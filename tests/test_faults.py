@@ -5,7 +5,8 @@ Phases: connect (rendezvous), pause, start, mid-stream of ``update_weights``
 killed (SIGKILL), frozen (SIGSTOP: its sockets stay open and nothing
 answers, then SIGCONT), HTTP 500 answered (a proxy in front of it), and
 connection refused while it restarts. Trainer faults: rank > 0 killed
-mid-gather and rank 0 killed mid-stream (2-rank FSDP2).
+mid-gather and rank 0 killed mid-stream (2-rank FSDP2); a trainer frozen
+(SIGSTOP: its store and sockets stay open and nothing answers) mid-stream.
 
 Each server-fault cell runs twice at once, against two receivers: with
 ``on_error="raise"`` the round raises within ``RAISE_BOUND_S`` of the fault;
@@ -41,6 +42,7 @@ from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import models
 from wt_callbacks.demos.multiprocess import free_port
+from wt_callbacks.demos.receiver_process import receiver_checksums
 from wt_callbacks.sync import Collectives, WeightSync
 from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, WeightTransferError
 from wt_callbacks.transfer.base import CLEANUP_TIMEOUT_S
@@ -50,7 +52,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_ring_left_behind")]
 
 TIMEOUT_S = 3.0
 """``timeout_s`` of every trainer here: small, so a hang costs seconds."""
-RAISE_BOUND_S = TIMEOUT_S + 2 * min(TIMEOUT_S, CLEANUP_TIMEOUT_S) + 5.0
+LOAD_SLACK_S = 5.0
+"""What a bound here allows past its waits, for a loaded machine."""
+RAISE_BOUND_S = TIMEOUT_S + 2 * min(TIMEOUT_S, CLEANUP_TIMEOUT_S) + LOAD_SLACK_S
 """A failed round ends within ``timeout_s`` (detection) + the two bounded
 best-effort calls after it (finish, resume) + 5 s for a loaded machine (a
 frozen server takes all three waits: 9.0-9.4 s of the 14 here)."""
@@ -356,6 +360,79 @@ def test_trainer_rank_killed(forks, table, tmp_path, victim, transport):
               f"rank {survivor} raised; server held old, serving after {serving['seconds']:.2f}s")  # fmt: skip
     # The restarted trainer's first round delivers.
     model = getattr(models, model_name)(seed=5)
+    ws = weight_sync(receiver.url, None, "raise", transport=transport)
+    try:
+        ws.setup(model)
+        assert ws.sync(0) is not None
+    finally:
+        ws.close()
+    assert receiver.checksums() == module_checksums(model)
+    receiver.kill()
+
+
+def _frozen_trainer(url: str, server_log: str, out_dir: str, transport: str) -> None:
+    """A trainer whose second round stops mid-stream: it says so, then waits
+    for the test to freeze it (SIGSTOP) and kill it (SIGKILL)."""
+    torch.set_num_threads(1)
+    model = models.many_tensors(seed=0)
+    ws = weight_sync(url, None, "raise", transport=transport)
+    ws.setup(model)
+    assert ws.sync(0) is not None
+    out = Path(out_dir)
+
+    def stall() -> None:
+        wait_until_update_began(server_log, RECEIVING, rounds=2)  # the server receives round 2
+        (out / "stalled").write_text("")
+        time.sleep(120)
+
+    ws.engine.source = InterruptingSource(ws.engine.source, stall, after=30)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ws.sync(1)
+
+
+FROZEN_TRAINER_CELLS = ["gloo", "shm"]
+
+
+@pytest.mark.parametrize("transport", FROZEN_TRAINER_CELLS, ids=[f"trainer-frozen-mid-stream-{t}" for t in FROZEN_TRAINER_CELLS])
+def test_trainer_frozen_mid_stream(forks, table, tmp_path, transport):
+    """A frozen trainer (SIGSTOP: a hung process, a host whose network
+    dropped without closing its connections) answers nothing, its store
+    included. The receiver's update fails at the group's ``timeout_s``, it
+    holds the old weights and serves again (its weight lock is free: the
+    checksums answer), and the next trainer's round into it delivers."""
+    receiver = forks.start(FACTORY)
+    trainer = multiprocessing.get_context("spawn").Process(
+        target=_frozen_trainer, args=(receiver.url, str(receiver.log_path), str(tmp_path), transport)
+    )
+    trainer.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "stalled").exists():
+            assert trainer.is_alive() and time.monotonic() < deadline, "the trainer never reached its second round"
+            time.sleep(0.02)
+        os.kill(trainer.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        bound_s = TIMEOUT_S + LOAD_SLACK_S
+        while True:  # the checksums take the receiver's weight lock, which update_weights holds
+            try:
+                held = receiver_checksums(receiver.url, timeout_s=1.0)
+                break
+            except requests.Timeout:
+                assert time.monotonic() - frozen_at < bound_s, (
+                    f"the receiver still blocked {time.monotonic() - frozen_at:.1f} s after its trainer froze "
+                    f"(timeout_s={TIMEOUT_S:g})"
+                )
+        freed_s = time.monotonic() - frozen_at
+        assert freed_s < bound_s, f"the receiver was blocked {freed_s:.1f} s"
+        assert held == module_checksums(models.many_tensors(seed=0)), "the receiver holds part of the frozen round"
+        assert HTTPVLLMWeightSyncClient(receiver.url).is_paused() == [False]
+    finally:
+        os.kill(trainer.pid, signal.SIGKILL)  # a stopped process dies of it too
+        trainer.join(timeout=30)
+    table.add(f"trainer frozen (mid-stream {transport})", "-", freed_s, "server held old, served again")
+    model = models.many_tensors(seed=5)
     ws = weight_sync(receiver.url, None, "raise", transport=transport)
     try:
         ws.setup(model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -322,6 +323,46 @@ def test_a_broadcast_that_completes_as_a_wait_slice_runs_out_is_received():
     group = TransferGroup.__new__(TransferGroup)
     group.transport, group.store = "gloo", None
     group.wait_received(CompletesAsTheSliceRunsOut())  # returns: the broadcast arrived
+
+
+def test_a_store_that_does_not_answer_neither_blocks_a_wait_nor_means_the_trainer_left():
+    """Between wait slices a worker asks the trainer's store whether the
+    trainer left, on a thread: a store that does not answer (a frozen trainer,
+    whose store never does; a loaded machine) neither blocks the wait nor
+    counts as "left", and is not asked again before it answered (a TCPStore
+    client takes one call at a time). The broadcast's own timeout bounds the wait."""
+    answer, asked = threading.Event(), []
+
+    class SilentStore:
+        def check(self, keys):
+            asked.append(keys)
+            answer.wait(30)
+            return False
+
+    class ArrivesAfterSlices:
+        slices = 4
+
+        def wait(self, timeout=None):
+            if timeout is not None and self.slices:
+                self.slices -= 1
+                raise RuntimeError("Operation timed out!")
+            return True
+
+        def is_completed(self):
+            return not self.slices
+
+    group = TransferGroup(SilentStore(), None, rank=1, world_size=2, device=torch.device("cpu"))
+    waiting = threading.Thread(target=group.wait_received, args=(ArrivesAfterSlices(),), daemon=True)
+    try:
+        waiting.start()
+        waiting.join(10)
+        assert not waiting.is_alive(), "the wait blocked on the store's answer"
+        deadline = time.monotonic() + 10
+        while not asked and time.monotonic() < deadline:  # the question's thread may start late
+            time.sleep(0.01)
+        assert len(asked) == 1
+    finally:
+        answer.set()
 
 
 def test_a_chunk_whose_every_tensor_has_a_destination_is_received_straight_into_them():

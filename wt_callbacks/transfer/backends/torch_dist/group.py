@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from wt_callbacks.transfer.backends.torch_dist.session import check_peers, store_prefix
 from wt_callbacks.transfer.backends.torch_dist.shm_ring import ShmRing, join_ring, offer_ring
-from wt_callbacks.transfer.base import WeightTransferError
+from wt_callbacks.transfer.base import WeightTransferError, in_daemon_thread
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class TransferGroup:
         self.transport = "shm" if shm is not None else "nccl" if device.type == "cuda" else "gloo"
         self._in_flight: deque[Any] = deque()
         self._store_server: dist.TCPStore | None = None
+        self._left_asked: Future | None = None  # a worker's pending "did the trainer leave?"
 
     @classmethod
     def connect(
@@ -201,7 +203,10 @@ class TransferGroup:
         slices of ``WAIT_SLICE`` and between them asks the trainer's store
         whether the trainer left: a round the trainer gave up (another server
         failed, a trainer rank died) frees this server at once, not at
-        ``timeout_s``. The ring has its own abort flag; NCCL waits as it did.
+        ``timeout_s``. The broadcast itself fails at the group's
+        ``timeout_s``, which gloo keeps against a frozen trainer too: that is
+        what bounds the wait when the store does not answer. The ring has its
+        own abort flag; NCCL waits as it did.
         """
         if self.transport != "gloo":
             work.wait()
@@ -221,10 +226,25 @@ class TransferGroup:
                 raise WeightTransferError("the trainer left the transfer group in the middle of a broadcast")
 
     def _trainer_left(self) -> bool:
-        try:
-            return self.store is None or self.store.check([_TRAINER_LEFT_KEY])
-        except Exception:  # noqa: BLE001 - the store went away with the trainer
+        """What the last question to the store answered; asks the next one.
+
+        Asked on a thread and never waited for: ``check`` waits with no time
+        limit when the trainer is frozen (``waits``). An answer that is late
+        (a loaded machine) is not "left", only not known yet; a question
+        unanswered is not asked again (the store takes one call at a time).
+        """
+        store = self.store
+        if store is None:
             return True
+        asked = self._left_asked
+        if asked is not None:
+            if not asked.done():
+                return False
+            # An error: the store went away with the trainer.
+            if asked.exception() is not None or asked.result():
+                return True
+        self._left_asked = in_daemon_thread(lambda: store.check([_TRAINER_LEFT_KEY]), "wt-trainer-left")
+        return False
 
     def destroy(self) -> None:
         if self.rank == 0 and self.store is not None:

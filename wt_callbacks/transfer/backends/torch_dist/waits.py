@@ -4,6 +4,12 @@ While the trainer broadcasts, the servers' ``init_weight_transfer_engine`` /
 ``update_weights`` HTTP calls are in flight on other threads
 (``base.in_daemon_thread``); every wait here also watches that call, so a
 server that refuses fails the round at once instead of at ``timeout_s``.
+
+A worker's rendezvous store is a client of the trainer's ``TCPStore``, whose
+calls (connect, get, wait, check, add: all but ``set``) wait for the answer
+with no time limit when the trainer's process is frozen (SIGSTOP, a host
+whose network dropped without closing the connection): the store's own
+timeout is not kept then (torch 2.13).
 """
 
 from __future__ import annotations
