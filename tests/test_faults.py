@@ -6,7 +6,8 @@ killed (SIGKILL), frozen (SIGSTOP: its sockets stay open and nothing
 answers, then SIGCONT), HTTP 500 answered (a proxy in front of it), and
 connection refused while it restarts. Trainer faults: rank > 0 killed
 mid-gather and rank 0 killed mid-stream (2-rank FSDP2); a trainer frozen
-(SIGSTOP: its store and sockets stay open and nothing answers) mid-stream.
+(SIGSTOP: its store and sockets stay open and nothing answers) mid-stream
+and while a server joins its group.
 
 Each server-fault cell runs twice at once, against two receivers: with
 ``on_error="raise"`` the round raises within ``RAISE_BOUND_S`` of the fault;
@@ -24,9 +25,12 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,7 @@ import requests
 import torch
 import torch.distributed as dist
 
+from tests.support import REPO_ROOT
 from tests.support.faults import FULL_MATRIX, FaultProxy, FaultTable, FaultyClient, ReceiverForks, fault_round
 from tests.support.transfer import InterruptingSource, wait_until_update_began
 from wt_callbacks.checksums import module_checksums
@@ -45,7 +50,9 @@ from wt_callbacks.demos.multiprocess import free_port
 from wt_callbacks.demos.receiver_process import receiver_checksums
 from wt_callbacks.sync import Collectives, WeightSync
 from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, WeightTransferError
-from wt_callbacks.transfer.base import CLEANUP_TIMEOUT_S
+from wt_callbacks.transfer.backends.torch_dist.session import new_session_id
+from wt_callbacks.transfer.backends.torch_dist.waits import STORE_SLACK_S
+from wt_callbacks.transfer.base import CLEANUP_TIMEOUT_S, in_daemon_thread
 
 # Every test here also fails if it leaves a ring file of ours behind.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_ring_left_behind")]
@@ -434,6 +441,81 @@ def test_trainer_frozen_mid_stream(forks, table, tmp_path, transport):
     table.add(f"trainer frozen (mid-stream {transport})", "-", freed_s, "server held old, served again")
     model = models.many_tensors(seed=5)
     ws = weight_sync(receiver.url, None, "raise", transport=transport)
+    try:
+        ws.setup(model)
+        assert ws.sync(0) is not None
+    finally:
+        ws.close()
+    assert receiver.checksums() == module_checksums(model)
+    receiver.kill()
+
+
+FROZEN_AT_JOIN = """
+import os, signal, sys, time, torch
+from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, open_store
+stage, session_id, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+store = open_store("127.0.0.1", 0, 2, is_master=True, timeout_s=timeout_s)
+keys = store.num_keys()
+print(store.port, flush=True)
+while stage == "rendezvous" and store.num_keys() == keys:  # until the worker's gloo rendezvous began
+    time.sleep(0.001)
+if stage == "ring":  # rank 0 joins over gloo: it offers no ring, which the worker (shm) then waits for
+    TransferGroup.connect(store, master_address="127.0.0.1", rank=0, world_size=2, timeout_s=timeout_s,
+                          transport="gloo", device=torch.device("cpu"), session_id=session_id)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+"""Rank 0 of a rendezvous that freezes itself (SIGSTOP) at a stage of a
+worker's join: before the store's handshake, during the gloo rendezvous, or
+once the group formed, before the shared-memory ring's offer."""
+JOIN_STAGES = ["handshake", "ring"] + (["rendezvous"] if FULL_MATRIX else [])
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("stage", JOIN_STAGES, ids=[f"trainer-frozen-at-{s}" for s in JOIN_STAGES])
+def test_trainer_frozen_while_a_server_joins(forks, table, stage):
+    """A trainer frozen during ``init_weight_transfer_engine``: every wait of
+    the server's join on the trainer's store gives up past ``timeout_s``
+    (+ ``STORE_SLACK_S``), the call fails, and the server is free for the
+    next trainer, whose round delivers."""
+    receiver = forks.start(FACTORY)
+    before = receiver.checksums()
+    session_id = new_session_id()
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", FROZEN_AT_JOIN, stage, session_id, str(TIMEOUT_S)],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port = int(trainer.stdout.readline())
+        deadline = time.monotonic() + 30
+        while stage == "handshake" and not _stopped(trainer.pid):
+            assert time.monotonic() < deadline, "the trainer did not freeze"
+            time.sleep(0.01)
+        init_info = {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "timeout_s": TIMEOUT_S, "transport": "shm" if stage == "ring" else "gloo", "session_id": session_id,
+        }  # fmt: skip
+        bound_s = TIMEOUT_S + STORE_SLACK_S + LOAD_SLACK_S
+        start = time.monotonic()
+        client = HTTPVLLMWeightSyncClient(receiver.url, timeout=CLIENT_TIMEOUT_S)
+        joining = in_daemon_thread(lambda: client.init_weight_transfer_engine(init_info), "join")
+        try:
+            error = joining.exception(timeout=bound_s)
+        except FutureTimeout:
+            raise AssertionError(f"the server's join still waited {bound_s:g} s after the trainer froze") from None
+        failed_s = time.monotonic() - start
+        assert error is not None and "no answer within" in str(error), error
+        client.close()
+        assert _stopped(trainer.pid), "the trainer was not frozen all along"
+        assert receiver_checksums(receiver.url, timeout_s=LOAD_SLACK_S) == before  # it answers: the lock is free
+    finally:
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+    table.add(f"trainer frozen (at a server's {stage})", "-", failed_s, "init failed, server free")
+    model = models.many_tensors(seed=5)
+    ws = weight_sync(receiver.url, None, "raise")
     try:
         ws.setup(model)
         assert ws.sync(0) is not None

@@ -253,11 +253,13 @@ def in_daemon_thread(fn: Callable[[], Any], name: str) -> Future:
     return future
 
 
-def bounded(fn: Callable[[], Any], what: str, *, within_s: float) -> Any:
+def bounded(fn: Callable[[], Any], what: str, *, within_s: float, peer: str = "server") -> Any:
     """``fn()``, waiting at most ``within_s`` for it (``WeightTransferError``
     past that): a config's ``timeout_s`` bounds a server call whatever
     timeout the client was built with. A call still running past the bound
-    carries on in the background (its own timeout ends it)."""
+    carries on in the background (its own timeout ends it, or the peer's
+    death). ``peer``: who failed to answer, for the message (a worker's calls
+    wait on the trainer)."""
     future = in_daemon_thread(fn, f"wt-{what}")
     try:
         # exception(), not result(): the call's own TimeoutError (a socket's)
@@ -265,7 +267,7 @@ def bounded(fn: Callable[[], Any], what: str, *, within_s: float) -> Any:
         error = future.exception(timeout=within_s)
     except FutureTimeout:
         raise WeightTransferError(
-            f"{what}: no answer within {within_s:.3g} s; not waiting for it (the server is frozen or "
+            f"{what}: no answer within {within_s:.3g} s; not waiting for it (the {peer} is frozen or "
             "overloaded; raise timeout_s if it is just slow)"
         ) from None
     if error is not None:

@@ -5,7 +5,8 @@ training job already has its own default group): trainer rank 0 runs a
 ``TCPStore`` master on ``master_address:master_port``; every inference worker
 connects to it and joins a ``ProcessGroupGloo`` (CPU tensors) or
 ``ProcessGroupNCCL`` (CUDA tensors) under a ``PrefixStore``. Every wait is
-bounded by ``timeout_s``: a dead peer raises, it never hangs.
+bounded by ``timeout_s``: a dead peer raises, it never hangs, and so does a
+frozen trainer, whose store never answers a worker (``waits.trainer_store_call``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from wt_callbacks.transfer.backends.torch_dist.session import check_peers, store_prefix
 from wt_callbacks.transfer.backends.torch_dist.shm_ring import ShmRing, join_ring, offer_ring
+from wt_callbacks.transfer.backends.torch_dist.waits import trainer_store_call
 from wt_callbacks.transfer.base import WeightTransferError, in_daemon_thread
 
 logger = logging.getLogger(__name__)
@@ -60,11 +62,12 @@ def open_store(
     A worker first checks that the store listens: the trainer opens it
     before it calls the servers, so a refused connection means the trainer
     gave up (a call that reached a server late), and failing at once beats
-    TCPStore's retrying for ``timeout_s``.
+    TCPStore's retrying for ``timeout_s``. A frozen trainer's kernel still
+    accepts the connection, and the client then waits for the store's
+    handshake with no time limit: bounded on a thread.
     """
-    try:
-        if not is_master:
-            socket.create_connection((master_address, master_port), timeout=timeout_s).close()
+
+    def connect() -> dist.TCPStore:
         return dist.TCPStore(
             master_address,
             master_port,
@@ -73,6 +76,12 @@ def open_store(
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
         )
+
+    try:
+        if is_master:
+            return connect()
+        socket.create_connection((master_address, master_port), timeout=timeout_s).close()
+        return trainer_store_call(connect, "the store's handshake", timeout_s=timeout_s)
     except (RuntimeError, OSError) as e:
         if is_master:
             raise WeightTransferError(
@@ -147,7 +156,12 @@ class TransferGroup:
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = timeout
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address_towards(master_address))]
-                pg = dist.ProcessGroupGloo(prefix, rank, world_size, opts)
+
+                def gloo() -> Any:
+                    return dist.ProcessGroupGloo(prefix, rank, world_size, opts)
+
+                # Its rendezvous waits on the store: a worker's, on a trainer that may be frozen.
+                pg = gloo() if rank == 0 else trainer_store_call(gloo, "the gloo rendezvous", timeout_s=timeout_s)
         except (RuntimeError, OSError) as e:
             raise WeightTransferError(
                 f"the transfer group of world_size={world_size} did not form within timeout_s={timeout_s:g} "

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from wt_callbacks.transfer.backends.torch_dist.waits import trainer_store_call
 from wt_callbacks.transfer.base import WeightTransferError
 from wt_callbacks.transfer.packing import CastPart
 
@@ -616,8 +617,11 @@ def offer_ring(store: dist.Store, *, world_size: int, timeout_s: float, fallback
 
 
 def join_ring(store: dist.Store, *, rank: int, world_size: int, timeout_s: float) -> ShmRing | None:
-    """A worker's side of the negotiation: map the offered ring, report, follow rank 0's decision."""
-    offer = json.loads(store.get("shm/ring"))
+    """A worker's side of the negotiation: map the offered ring, report, follow rank 0's decision.
+
+    Its ``get``s wait on the trainer's store, which a frozen trainer never
+    answers: bounded (``waits``). ``set`` does not wait for an answer."""
+    offer = json.loads(trainer_store_call(lambda: store.get("shm/ring"), "the ring's offer", timeout_s=timeout_s))
     ring = None
     if offer["path"]:
         try:
@@ -633,7 +637,8 @@ def join_ring(store: dist.Store, *, rank: int, world_size: int, timeout_s: float
             ring = None
             report = f"{offer['path']}: {type(e).__name__}: {e}"
         store.set(f"shm/mapped/{rank}", report)
-    return _follow(json.loads(store.get("shm/decision")), ring)
+    decision = trainer_store_call(lambda: store.get("shm/decision"), "the ring's decision", timeout_s=timeout_s)
+    return _follow(json.loads(decision), ring)
 
 
 def _follow(decision: dict[str, str], ring: ShmRing | None) -> ShmRing | None:
