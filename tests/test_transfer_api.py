@@ -27,6 +27,7 @@ from wt_callbacks.transfer import (
     VLLMWeightSyncClient,
     WeightSource,
     WeightSyncHTTPError,
+    WeightTransferError,
     WeightTransferConfig,
     WeightTransferEngine,
     WeightTransferEngineFactory,
@@ -768,13 +769,52 @@ def test_receiver_refuses_mismatched_names_before_streaming(receiver):
     engine = WeightTransferTrainerFactory.trainer_init(
         "torch_dist", {"timeout_s": 60}, LOCAL, client=client, source=ModuleSource(torch.nn.Linear(4, 5))
     )
-    import time
 
     start = time.monotonic()
     with pytest.raises(Exception, match=r"shape mismatch for 'weight': trainer sends \[5, 4\], the served model has \[4, 4\]"):
         engine.send_weights("wrong")
     assert time.monotonic() - start < 10
     engine.shutdown()
+
+
+def test_a_round_that_leaves_a_served_parameter_out_is_refused_and_the_weights_kept():
+    """DESIGN: a server that did not update every parameter it serves fails
+    the round and keeps the previous weights; refused at once, as vLLM's
+    plugin refuses it. A tied lm_head, sent once as its embedding, counts;
+    ``exclude`` of a tensor the server serves makes a partial round."""
+    from wt_callbacks.checksums import module_checksums
+
+    def round_into(url: str, source: WeightSource) -> None:
+        client = HTTPVLLMWeightSyncClient(url, timeout=10)
+        engine = WeightTransferTrainerFactory.trainer_init("torch_dist", {"timeout_s": 60}, LOCAL, client=client, source=source)
+        try:
+            engine.send_weights("v")
+        finally:
+            engine.shutdown()
+            client.close()
+
+    with Receiver(models.tiny_mlp()) as served:
+        url = served.start()
+        before = module_checksums(served.model)
+        start = time.monotonic()
+        with pytest.raises(WeightTransferError, match=(
+            r"this round does not send checkpoint tensor 'layers.2.weight' \(and 1 more checkpoint tensors\), "
+            r"which the served model holds: it sends 4 of its 6. Nothing was received; the server keeps the previous weights"
+        )):  # fmt: skip
+            round_into(url, ModuleSource(models.TinyMLP(depth=2)))
+        assert time.monotonic() - start < 10  # refused, not timed out
+        assert module_checksums(served.model) == before
+        assert served.core.updates_completed == 0
+        round_into(url, ModuleSource(models.tiny_mlp(seed=0)))  # the refused round left nothing active
+        assert module_checksums(served.model) == module_checksums(models.tiny_mlp(seed=0))
+
+    tied = TINY_LMS["llama_tied"]
+    with Receiver(tied()) as served:
+        url = served.start()
+        round_into(url, ModuleSource(tied(seed=0)))
+        with pytest.raises(WeightTransferError, match=r"does not send checkpoint tensor 'model.norm.weight', which"):
+            round_into(url, ModuleSource(tied(seed=1), exclude=["model.norm.*"]))
+        assert module_checksums(served.model) == module_checksums(tied(seed=0))
 
 
 def test_a_round_that_names_a_tensor_twice_is_refused_before_anything_moves(receiver):
@@ -825,6 +865,19 @@ def test_receiver_reload_weights_from_safetensors(receiver, tmp_path):
         timeout=10,
     )
     assert empty.status_code == 500 and "has no *.safetensors file" in empty.json()["error"]["message"]
+    # Complete over all its files, as a checkpoint split in shards; refused without one of them.
+    (tmp_path / "model.safetensors").unlink()
+    save_file({"weight": torch.ones(4, 4)}, tmp_path / "model-1.safetensors")
+    partial = requests.post(
+        f"{url}/collective_rpc", json={"method": "reload_weights", "args": [str(tmp_path)]}, timeout=10
+    )
+    assert partial.status_code == 500 and "does not send checkpoint tensor 'bias'" in partial.json()["error"]["message"]
+    assert torch.equal(receiver.model.weight, before)
+    save_file({"bias": torch.ones(4)}, tmp_path / "model-2.safetensors")
+    sharded = requests.post(
+        f"{url}/collective_rpc", json={"method": "reload_weights", "args": [str(tmp_path)]}, timeout=10
+    )
+    assert sharded.status_code == 200 and torch.equal(receiver.model.bias, torch.ones(4))
     other = requests.post(f"{url}/collective_rpc", json={"method": "sleep"}, timeout=10)
     assert other.status_code == 400 and "'sleep' is not supported" in other.json()["error"]["message"]
 

@@ -1,17 +1,20 @@
 """Verification: after a round, the servers' greedy logprobs on fixed probes
 against the trainer model's (``verify_every_n_syncs``, ``sync(verify=True)``).
 
-Against reference receivers in their own processes, serving a tiny MoE from
-token-id prompts (no tokenizer on either side), as they would a vLLM server.
+Against reference receivers in their own processes (one in this process,
+to alter what it serves), serving a tiny MoE from token-id prompts (no
+tokenizer on either side), as they would a vLLM server.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos.models import tiny_mlp
 from wt_callbacks.demos.tiny_lms import TINY_LMS
+from wt_callbacks.receiver import Receiver
 from wt_callbacks.sync import WeightSync
 from wt_callbacks.transfer import WeightTransferError
 from wt_callbacks.verify import ProbeSet, served_logprob_diff
@@ -41,26 +44,33 @@ def test_every_kth_round_is_verified_and_logged(receiver_proc):
     assert "verified: max logprob diff" in results[1].summary()
 
 
-def test_a_server_that_misses_a_layer_fails_verification(receiver_proc, caplog):
-    """A round that left the served lm_head stale (what vLLM's layerwise
-    reload does to a tied lm_head): every call succeeded, the check does not."""
-    receiver = receiver_proc(FACTORY)
+def test_a_server_that_computes_otherwise_fails_verification(caplog):
+    """A server whose model differs from the trainer's in what no round sends
+    (its rotary frequencies, a buffer, as a wrong rope_theta makes them):
+    every call succeeded, the check does not. The receiver runs in this
+    process, to alter the model it serves; a round that leaves a served
+    parameter stale it refuses itself."""
+    served = TINY_LMS["qwen3_moe"]()
+    served.model.rotary_emb.inv_freq.mul_(4)
     model = TINY_LMS["qwen3_moe"](seed=0)
-    ws = WeightSync(sync_config(receiver.url, exclude=["lm_head.weight"]))
-    ws.setup(model)
-    try:
-        with pytest.raises(WeightTransferError, match=r"verification failed: .* serves logprobs up to .* nats away from the trainer's model on the probe prompts \(verify_tolerance 0.001\)"):
-            ws.sync(1, verify=True)
-        assert ws.last_synced_step is None  # the round is not counted as done
-        warn = WeightSync(sync_config(receiver.url, exclude=["lm_head.weight"], on_error="warn"))
-        warn.setup(model)
-        assert warn.sync(2, verify=True) is None
-        assert "verification failed" in caplog.text
-        warn.close()
-    finally:
-        ws.close()
-    # The server keeps serving (what it holds: the round's layers, its own lm_head).
-    assert served_logprob_diff(model, receiver.url)[receiver.url] > 1e-3
+    with Receiver(served) as receiver:
+        url = receiver.start()
+        ws = WeightSync(sync_config(url))
+        ws.setup(model)
+        try:
+            with pytest.raises(WeightTransferError, match=r"verification failed: .* serves logprobs up to .* nats away from the trainer's model on the probe prompts \(verify_tolerance 0.001\)"):
+                ws.sync(1, verify=True)
+            assert ws.last_synced_step is None  # the round is not counted as done
+            warn = WeightSync(sync_config(url, on_error="warn"))
+            warn.setup(model)
+            assert warn.sync(2, verify=True) is None
+            assert "verification failed" in caplog.text
+            warn.close()
+        finally:
+            ws.close()
+        # The server keeps serving (the trainer's weights, its own frequencies).
+        assert module_checksums(served) == module_checksums(model)
+        assert served_logprob_diff(model, url)[url] > 1e-3
 
 
 def test_bf16_wire_gets_its_own_default_tolerance(receiver_proc):

@@ -79,6 +79,33 @@ class StagedWeights:
     def validate_update(
         self, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[tuple[int, ...]]
     ) -> None:
+        """Refuse an update before anything is received: a name, shape or kind
+        of dtype the served model does not have, or one that leaves out a
+        tensor it serves (that tensor would stay stale; vLLM's plugin refuses
+        such a round too). A round sends the model once, in one update."""
+        self.check_tensors(names, dtypes, shapes)
+        self.check_complete(names)
+
+    def check_complete(self, names: Iterable[str]) -> None:
+        """Raise naming the first checkpoint tensor of the served model that
+        ``names`` leave out. A tied parameter counts once, under the name
+        ``named_parameters`` gives it (a tied ``lm_head`` sent as its embedding)."""
+        sent = set(names)
+        missing = [n for n in self._expected if n not in sent]
+        if missing:
+            more = f" (and {len(missing) - 1} more checkpoint tensors)" if len(missing) > 1 else ""
+            raise ValueError(
+                f"this round does not send checkpoint tensor {missing[0]!r}{more}, which the served model holds: "
+                f"it sends {len(self._expected) - len(missing)} of its {len(self._expected)}. Nothing was "
+                "received; the server keeps the previous weights. The trainer must send every parameter of "
+                "the served model (check its module / include / exclude)"
+            )
+
+    def check_tensors(
+        self, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[tuple[int, ...]]
+    ) -> None:
+        """Raise for a name the served model does not have, or a shape or
+        kind of dtype not its own."""
         unknown = [n for n in names if n not in self._expected]
         if unknown:
             raise ValueError(
@@ -156,10 +183,9 @@ class StagedWeights:
                     param = self._params[group.inputs[0]]
                     self._spares[name], param.data = param.data, self._staged[name]
                     continue
-                # A converted group is rebuilt whole: tensors the round left
-                # out keep their current values.
-                current = self._layout.to_checkpoint(group, {i: self._params[i] for i in group.inputs})
-                outputs = {o.name: self._staged.get(o.name, current[o.name]) for o in group.outputs}
+                # A converted group is rebuilt whole, from all its tensors
+                # (``check_complete`` saw every one staged).
+                outputs = {o.name: self._staged[o.name] for o in group.outputs}
                 for param_name, tensor in self._layout.to_memory(group, outputs).items():
                     self._params[param_name].copy_(tensor)
         self._staged.clear()
@@ -389,10 +415,14 @@ class ReceiverCore:
             if self._stage is not None:
                 raise RuntimeError("Cannot reload weights while a weight update is active.")
             stage = StagedWeights(self.model, self._layout, self._spares)
+            names: list[str] = []
             for file in files:
                 tensors = load_file(file)
-                stage.validate_update(list(tensors), [t.dtype for t in tensors.values()], [tuple(t.shape) for t in tensors.values()])
+                stage.check_tensors(list(tensors), [t.dtype for t in tensors.values()], [tuple(t.shape) for t in tensors.values()])
                 stage.load_weights(tensors.items())
+                names += tensors
+            # Over all files: a checkpoint is often split across several.
+            stage.check_complete(names)
             stage.commit()
 
     def update_weight_version(self, new_version: str) -> None:
