@@ -763,6 +763,40 @@ def test_receiver_completions_pause_like_vllm_0_33_and_sample(caplog):
     assert lines == [f"weight update step-3: {tensors} tensors, {size:.1f} MB in {lines[0].rsplit(' in ', 1)[1]}"]
 
 
+def test_receiver_completions_are_bounded_by_the_context_and_the_vocabulary():
+    """As vLLM 0.32: 400 for max_tokens above max_model_len (128 here, the
+    config's max_position_embeddings) or a prompt that leaves no room, and a
+    max_tokens cut to the room a prompt leaves; 400 for token ids outside the
+    vocabulary and for too many completions. Generation holds the lock a
+    weight update waits for: nothing unbounded may run under it."""
+    from wt_callbacks.receiver.core import MAX_COMPLETIONS_N
+
+    with Receiver(TINY_LMS["llama_tied"]()) as served:
+        url = served.start()
+
+        def complete(prompt: list[int], **body: Any) -> requests.Response:
+            body = {"prompt": prompt, "return_tokens_as_token_ids": True, "ignore_eos": True, **body}
+            return requests.post(f"{url}/v1/completions", json=body, timeout=30)
+
+        def refusal(reply: requests.Response) -> str:
+            assert reply.status_code == 400, reply.text
+            return reply.json()["error"]["message"]
+
+        assert refusal(complete([1], max_tokens=129)) == (
+            "max_tokens=129 cannot be greater than max_model_len=128. Please request fewer output tokens."
+        )
+        assert refusal(complete([1] * 128, max_tokens=1)).startswith(
+            "This model's maximum context length is 128 tokens. However, your prompt contains 128 input tokens"
+        )
+        cut = complete([1] * 120, max_tokens=16, logprobs=1).json()["choices"][0]
+        assert cut["finish_reason"] == "length" and len(cut["logprobs"]["tokens"]) == 8
+        assert refusal(complete([3, 20])) == "Token id 20 is out of vocabulary (the model's has 20 tokens)"
+        assert refusal(complete([[1], [-5]])) == "Token id -5 is out of vocabulary (the model's has 20 tokens)"
+        too_many = MAX_COMPLETIONS_N + 1
+        assert refusal(complete([1], n=too_many, temperature=1.0)) == f"n must be at most {MAX_COMPLETIONS_N}, got {too_many}."
+        assert complete([1], max_tokens=2, n=MAX_COMPLETIONS_N, temperature=1.0).status_code == 200
+
+
 def test_receiver_refuses_mismatched_names_before_streaming(receiver):
     """The sender learns of a wrong model from the server at once, not at its timeout."""
     client = HTTPVLLMWeightSyncClient(receiver.url, timeout=10)

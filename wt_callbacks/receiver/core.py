@@ -30,6 +30,31 @@ logger = logging.getLogger(__name__)
 COMPLETION_PAUSE_WAIT_S = 300.0
 """How long a completion request waits for a paused receiver to resume."""
 
+MAX_COMPLETIONS_N = 64
+"""The most completions per prompt. vLLM takes up to 16384
+(``VLLM_MAX_N_SEQUENCES``), scheduled among other requests; here the ``n``
+rows are one batch, generated under the lock a weight update waits for."""
+
+MAX_MODEL_LEN_KEYS = (
+    "max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+    "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len",
+)  # fmt: skip
+"""The config keys vLLM derives ``max_model_len`` from (the smallest one set;
+2048 without any), in its order."""
+
+
+class BadRequest(ValueError):
+    """A request refused as vLLM refuses it, with HTTP 400; the message says what to fix."""
+
+
+def max_model_len(model: torch.nn.Module) -> int:
+    """The context length vLLM would serve ``model`` with (prompt plus output tokens)."""
+    config = getattr(model, "config", None)
+    if config is not None and callable(getattr(config, "get_text_config", None)):
+        config = config.get_text_config()
+    lengths = [getattr(config, key, None) for key in MAX_MODEL_LEN_KEYS]
+    return min((n for n in lengths if isinstance(n, int)), default=2048)
+
 
 class StagedWeights:
     """Weight-update target that stages a round and applies it on commit.
@@ -287,6 +312,17 @@ class ReceiverCore:
             raise ValueError(
                 "this receiver has no tokenizer: send prompts as token ids with return_tokens_as_token_ids"
             )
+        # Checked before the lock is taken: generation holds it, and the next
+        # weight update waits for it.
+        if n > MAX_COMPLETIONS_N:
+            raise BadRequest(f"n must be at most {MAX_COMPLETIONS_N}, got {n}.")
+        context = max_model_len(self.model)
+        if max_tokens > context:
+            raise BadRequest(
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={context}. "
+                "Please request fewer output tokens."
+            )
+        inputs = [self._prompt_input(prompt, max_tokens, context) for prompt in prompts]
         # The HTTP route waited the pause out, but the next round may have
         # paused generation again before this thread ran: wait for it too.
         if not self._unpaused.wait(timeout=COMPLETION_PAUSE_WAIT_S):
@@ -296,18 +332,14 @@ class ReceiverCore:
         stop_ids = set() if ignore_eos or self.tokenizer is None else {self.tokenizer.eos_token_id}
         choices = []
         with self._lock, torch.no_grad():
-            for prompt_index, prompt in enumerate(prompts):
-                if isinstance(prompt, str):
-                    ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
-                else:
-                    ids = torch.tensor([list(prompt)])
+            for prompt_index, (ids, budget) in enumerate(inputs):
                 ids = ids.to(self.engine.device)
                 # One prompt, n rows: equal lengths, so no padding to mask.
                 out = self.model.generate(
                     ids.expand(n, -1),
                     attention_mask=torch.ones_like(ids).expand(n, -1),
-                    max_new_tokens=max_tokens,
-                    min_new_tokens=max_tokens if ignore_eos else None,
+                    max_new_tokens=budget,
+                    min_new_tokens=budget if ignore_eos else None,
                     output_logits=True,
                     return_dict_in_generate=True,
                     pad_token_id=pad,
@@ -321,7 +353,7 @@ class ReceiverCore:
                     choice: dict[str, Any] = {
                         "index": prompt_index * n + row,
                         "text": self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer else "",
-                        "finish_reason": "length" if len(new_ids) == max_tokens else "stop",
+                        "finish_reason": "length" if len(new_ids) == budget else "stop",
                     }
                     if logprobs:
                         steps = [torch.log_softmax(logit[row].float(), dim=-1) for logit in out.logits]
@@ -336,6 +368,27 @@ class ReceiverCore:
                         }
                     choices.append(choice)
         return choices
+
+    def _prompt_input(self, prompt: str | Sequence[int], max_tokens: int, context: int) -> tuple[torch.Tensor, int]:
+        """A prompt's token ids (1 x length) and its ``max_tokens``, cut to the
+        room the ``context`` length leaves, as vLLM 0.32 cuts it; a prompt
+        that leaves no room, or with ids outside the vocabulary (the
+        embedding would raise IndexError), is refused."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+        else:
+            vocab = self.model.get_input_embeddings().num_embeddings
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise BadRequest(f"Token id {bad} is out of vocabulary (the model's has {vocab} tokens)")
+            ids = torch.tensor([list(prompt)])
+        if ids.shape[1] >= context:
+            raise BadRequest(
+                f"This model's maximum context length is {context} tokens. However, your prompt contains "
+                f"{ids.shape[1]} input tokens, which leaves no room for output tokens. Please reduce the "
+                "length of the input prompt."
+            )
+        return ids, min(max_tokens, context - ids.shape[1])
 
     def init_weight_transfer_engine(self, init_info: Mapping[str, Any]) -> None:
         with self._lock:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from wt_callbacks.receiver.core import COMPLETION_PAUSE_WAIT_S, ReceiverCore
+from wt_callbacks.receiver.core import COMPLETION_PAUSE_WAIT_S, BadRequest, ReceiverCore
 from wt_callbacks.transfer.auth import bearer_matches, refusal
 from wt_callbacks.transfer.clients import API_KEY_ENV, PAUSE_MODES, api_key_or_env
 
@@ -46,6 +46,10 @@ def build_app(core: ReceiverCore, model_name: str = "receiver", *, api_key: str 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError) -> Any:
         return _error(400, str(exc.errors()))
+
+    @app.exception_handler(BadRequest)
+    async def refused(_: Request, exc: BadRequest) -> Any:
+        return _error(400, str(exc))
 
     @app.middleware("http")
     async def errors_as_500(request: Request, call_next: Callable) -> Any:
