@@ -685,6 +685,33 @@ def test_receiver_lifecycle_misuse_answers_like_vllm(receiver):
         client.finish_weight_update()
 
 
+def test_receiver_malformed_bodies_get_400_and_leave_no_update_behind(receiver):
+    """An empty update_info list, and a finish body that is not JSON or is
+    nested too deeply to parse, are refused with 400 naming the problem;
+    the refused update is over (the next start is no "already active")."""
+    url = receiver.url
+    client = HTTPVLLMWeightSyncClient(url, timeout=10)
+
+    def refusal(reply: requests.Response) -> str:
+        assert reply.status_code == 400, reply.text
+        return reply.json()["error"]["message"]
+
+    client.start_weight_update()
+    assert refusal(requests.post(f"{url}/update_weights", json={"update_info": []}, timeout=5)) == (
+        "update_info is an empty list; a list holds one entry per worker rank (this server has one)"
+    )
+    client.start_weight_update()
+    for body, error in ((b"{oops", "Expecting property name"), (b"[" * 100_000 + b"]" * 100_000, "maximum recursion depth")):
+        message = refusal(requests.post(f"{url}/finish_weight_update", data=body, headers={"content-type": "application/json"}, timeout=5))
+        assert message.startswith('body must be {"weight_version": str} or empty; it does not parse as JSON: ' + error)
+    client.finish_weight_update("v1")  # the refused finishes left the update as it was
+    deep = b'{"update_info": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert refusal(requests.post(f"{url}/update_weights", data=deep, headers={"content-type": "application/json"}, timeout=5)).startswith(
+        "There was an error parsing the body: maximum recursion depth exceeded"
+    )
+    assert receiver.core.weight_info()["version_history"] == ["v1"]
+
+
 def test_receiver_routes_and_payloads(receiver):
     url = receiver.url
     assert requests.get(f"{url}/health", timeout=5).status_code == 200

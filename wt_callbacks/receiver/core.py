@@ -418,9 +418,11 @@ class ReceiverCore:
         with self._lock:
             if self._stage is None:
                 raise RuntimeError("start_weight_update must be called before update_weights.")
-            local = update_info[0] if isinstance(update_info, list) else update_info
             try:
-                self.engine.update_weights(local)
+                # As in vLLM, inside the try: a refused update ends the update.
+                if update_info == []:
+                    raise BadRequest("update_info is an empty list; a list holds one entry per worker rank (this server has one)")
+                self.engine.update_weights(update_info[0] if isinstance(update_info, list) else update_info)
             except Exception:
                 self._stage = None
                 self.engine.reset_weight_update_target()

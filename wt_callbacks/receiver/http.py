@@ -1,10 +1,12 @@
 """The receiver over HTTP: vLLM's RL routes (and greedy completions) around a ``ReceiverCore``."""
 
+import json
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 import torch
@@ -22,7 +24,9 @@ PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 def _error(status: int, message: str) -> Any:
     from fastapi.responses import JSONResponse
 
-    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+        status, "InternalServerError" if status >= 500 else HTTPStatus(status).phrase
+    )
     return JSONResponse(
         status_code=status,
         content={"error": {"message": message, "type": kind, "param": None, "code": status}},
@@ -40,12 +44,20 @@ def build_app(core: ReceiverCore, model_name: str = "receiver", *, api_key: str 
     from fastapi import Body, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="wt_callbacks reference receiver")
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError) -> Any:
         return _error(400, str(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Any:
+        # vLLM's shape, not FastAPI's {"detail": ...}; with the cause, as "There
+        # was an error parsing the body" alone does not say what is wrong.
+        cause = f": {exc.__cause__}" if exc.__cause__ is not None else ""
+        return _error(exc.status_code, f"{exc.detail}{cause}")
 
     @app.exception_handler(BadRequest)
     async def refused(_: Request, exc: BadRequest) -> Any:
@@ -104,7 +116,10 @@ def build_app(core: ReceiverCore, model_name: str = "receiver", *, api_key: str 
         raw = await request.body()
         version = None
         if raw:
-            body = await request.json()
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+                return _error(400, f"body must be {{\"weight_version\": str}} or empty; it does not parse as JSON: {e}")
             if not isinstance(body, dict) or not isinstance(body.get("weight_version", ""), (str, type(None))):
                 return _error(400, "body must be {\"weight_version\": str}")
             version = body.get("weight_version")
