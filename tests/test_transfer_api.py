@@ -646,8 +646,9 @@ def test_unreachable_server_and_bad_arguments():
         HTTPVLLMWeightSyncClient("http://127.0.0.1:9", timeout=5).start_weight_update()
     with pytest.raises(ValueError, match="is not an http"):
         HTTPVLLMWeightSyncClient("127.0.0.1:8000")
-    with pytest.raises(ValueError, match="listed twice"):
-        HTTPVLLMWeightSyncClient(["http://a:1", "http://a:1"])
+    for twice in (["http://a:1", "http://a:1"], ["http://a:1", "http://a:1/"]):
+        with pytest.raises(ValueError, match=r"base_url: the same server is listed twice"):
+            HTTPVLLMWeightSyncClient(twice)
     with pytest.raises(ValueError, match=r"timeouts: unknown method names \['update'\]"):
         HTTPVLLMWeightSyncClient("http://a:1", timeouts={"update": 3})
     with pytest.raises(ValueError, match="pause mode 'stop' is not one of"):

@@ -48,5 +48,8 @@ def check_server_urls(key: str, urls: Sequence[Any]) -> None:
     for url in urls:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"{key}: {url!r} is not an http(s) URL such as 'http://127.0.0.1:8000'")
-    if len(set(urls)) != len(urls):
+    # Compared as the clients call them, without trailing slashes: a server
+    # listed twice would join its group twice and the round would time out.
+    bases = [url.rstrip("/") for url in urls]
+    if len(set(bases)) != len(bases):
         raise ValueError(f"{key}: the same server is listed twice: {list(urls)}")
