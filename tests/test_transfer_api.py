@@ -651,6 +651,9 @@ def test_unreachable_server_and_bad_arguments():
             HTTPVLLMWeightSyncClient(twice)
     with pytest.raises(ValueError, match=r"timeouts: unknown method names \['update'\]"):
         HTTPVLLMWeightSyncClient("http://a:1", timeouts={"update": 3})
+    for value in (0, -1, "x", None, float("nan")):
+        with pytest.raises(ValueError, match=rf"timeouts\['start_weight_update'\]={value!r} must be a positive number of seconds"):
+            HTTPVLLMWeightSyncClient("http://a:1", timeouts={"start_weight_update": value})
     with pytest.raises(ValueError, match="pause mode 'stop' is not one of"):
         HTTPVLLMWeightSyncClient("http://a:1").pause("stop")
 

@@ -154,6 +154,8 @@ class HTTPVLLMWeightSyncClient:
         }
         if unknown:
             raise ValueError(f"timeouts: unknown method names {sorted(unknown)}")
+        for call, value in (timeouts or {}).items():
+            check_positive(f"timeouts[{call!r}]", value)  # None too: every call has a timeout
         self.base_urls = [u.rstrip("/") for u in urls]
         self.timeout = float(timeout)
         self.timeouts = dict(timeouts or {})
