@@ -953,6 +953,42 @@ def test_receiver_port_in_use_is_named(receiver):
         Receiver(torch.nn.Linear(1, 1)).start(port=port)
 
 
+MLP = ("--module-factory", "wt_callbacks.demos.models:tiny_mlp")
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (("--port", "-1", *MLP), "argument --port: '-1' is not a port number (0 to 65535; 0 picks a free port)"),
+        (("--port", "70000", *MLP), "argument --port: '70000' is not a port number"),
+        (("--dtype", "int8", *MLP), "--dtype='int8': weights are held in a floating-point dtype such as 'bfloat16'"),
+        (("--module-factory", "nope.mod:fn"), "--module-factory 'nope.mod:fn': No module named 'nope'"),
+        (("--module-factory", "wt_callbacks.demos.models:nope"), "--module-factory 'wt_callbacks.demos.models:nope': module 'wt_callbacks.demos.models' has no attribute 'nope'"),
+        (("--backend", "bogus", *MLP), "--backend: Invalid weight transfer backend: 'bogus'. Available engines: ['torch_dist']"),
+        (("--model", "/nonexistent"), "--model '/nonexistent' is not a transformers model directory: "),
+        (("--host", "bogus.invalid", "--port", "0", *MLP), "receiver cannot listen on bogus.invalid:0: [Errno -2] Name or service not known; --host must be an address of this machine"),
+    ],
+    ids=["port -1", "port 70000", "dtype int8", "no module", "no function", "backend", "model", "host"],
+)
+def test_receiver_cli_mistakes_are_usage_errors_naming_the_flag(args, error, capsys):
+    from wt_callbacks.receiver import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    assert exit.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(f"python -m wt_callbacks.receiver: error: {error}"), last
+
+
+def test_receiver_cli_port_in_use_says_to_choose_another(receiver, capsys):
+    from wt_callbacks.receiver import main
+
+    port = receiver.url.rsplit(":", 1)[1]
+    with pytest.raises(SystemExit):
+        main(["--port", port, *MLP])
+    assert capsys.readouterr().err.rstrip().endswith("Address already in use; choose another --port")
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_static_trainer_send_weights_older_call_style(receiver, packed):
     """vLLM's older trainer API: the caller owns the group and the server calls."""

@@ -1,5 +1,6 @@
 """The receiver over HTTP: vLLM's RL routes (and greedy completions) around a ``ReceiverCore``."""
 
+import errno
 import json
 import logging
 import socket
@@ -259,7 +260,10 @@ class Receiver:
             sock.bind((host, port))
         except OSError as e:
             sock.close()
-            raise OSError(f"receiver cannot listen on {host}:{port}: {e}; choose another --port") from e
+            # Any other error (a name that does not resolve, an address of
+            # another machine) is the host's, not the port's.
+            fix = "choose another --port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host must be an address of this machine"
+            raise OSError(f"receiver cannot listen on {host}:{port}: {e}; {fix}") from e
         app = build_app(self.core, self.model_name, api_key=self.api_key)
         config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
