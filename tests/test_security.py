@@ -123,6 +123,36 @@ def test_the_token_is_proven_to_the_worker_engine_never_replayed(receiver_proc):
     assert held.json()["checksums"] == module_checksums(model)
 
 
+def test_an_init_whose_group_does_not_form_leaves_the_live_session(receiver_proc):
+    """An init naming a port where no trainer listens fails before joining
+    anything: the live session keeps delivering. A trainer whose group forms
+    takes the server over; the previous session is over then."""
+    receiver = receiver_proc()
+    model = models.tiny_mlp(seed=0)
+    client, engine = connect(receiver.url, ModuleSource(model), transport="gloo")
+    try:
+        engine.send_weights("v1")
+        closed = {**engine.worker_init_info, "master_port": free_port(), "timeout_s": 5}
+        with pytest.raises(WeightSyncHTTPError, match=r"cannot reach the trainer's rendezvous store at 127.0.0.1:\d+"):
+            client.init_weight_transfer_engine(closed)
+        shift(model)
+        engine.send_weights("v2")  # the same engine: its session outlived the failed init
+        _, successor = connect(receiver.url, ModuleSource(model), transport="gloo")
+        try:
+            shift(model)
+            successor.send_weights("v3")
+            start = time.monotonic()
+            with pytest.raises(WeightTransferError, match="for another weight-transfer session"):
+                engine.send_weights("v4")
+            assert time.monotonic() - start < TIMEOUT_S / 2
+        finally:
+            successor.shutdown()
+    finally:
+        engine.shutdown()
+    assert receiver_checksums(receiver.url) == module_checksums(model)
+    assert client.weight_info()[0]["version_history"] == ["v1", "v2", "v3"]
+
+
 def test_a_stranger_on_the_control_plane_cannot_break_or_take_over_the_session(receiver_proc):
     """A receiver without a token (anyone reaches its routes); a stranger
     calls them between the trainer's rounds: a malformed init, the lifecycle

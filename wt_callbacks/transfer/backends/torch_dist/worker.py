@@ -65,12 +65,13 @@ class TorchDistWeightTransferEngine(
 
     A request that is not the session's own is refused before any byte
     moves and leaves the session as it was: an init_info that does not prove
-    the server's token, or is invalid; an update_info without the session's
-    secret (``session``), whatever else is wrong with it. The session ends
-    only with its own round: a receive error, a trainer that died or left,
-    or an update of the session that the model refuses (the trainer streams
-    into the group as it is refused); the worker then leaves the group, so
-    the trainer fails at once instead of at its timeout, and re-initializes.
+    the server's token, is invalid, or names a group that does not form; an
+    update_info without the session's secret (``session``), whatever else is
+    wrong with it. The session ends when a new one formed, or with its own
+    round: a receive error, a trainer that died or left, or an update of the
+    session that the model refuses (the trainer streams into the group as it
+    is refused); the worker then leaves the group, so the trainer fails at
+    once instead of at its timeout, and re-initializes.
 
     ``api_key``: the server's token, which ``init_weight_transfer_engine``
     must prove (``session``); read from ``VLLM_API_KEY`` (what vLLM's
@@ -100,7 +101,7 @@ class TorchDistWeightTransferEngine(
         return init_info.rank_offset + getattr(pc, "data_parallel_index", 0) * pc.world_size + pc.rank
 
     def init_transfer_engine(self, init_info: TorchDistWeightTransferInitInfo) -> None:
-        """Check the request, then leave any previous session and join the new group."""
+        """Check the request, join the new group, then leave any previous session."""
         check_init_authorized(
             self.api_key, init_info.session_id, init_info.session_proof,
             init_info.master_address, init_info.master_port,
@@ -119,7 +120,6 @@ class TorchDistWeightTransferEngine(
             )
         if init_info.transport == "nccl" and self.device.type != "cuda":
             raise ValueError(f"transport='nccl' needs a CUDA device; this worker runs on {self.device}")
-        self.shutdown()
         store = open_store(
             init_info.master_address,
             init_info.master_port,
@@ -127,7 +127,7 @@ class TorchDistWeightTransferEngine(
             is_master=False,
             timeout_s=init_info.timeout_s,
         )
-        self.group = TransferGroup.connect(
+        group = TransferGroup.connect(
             store,
             master_address=init_info.master_address,
             rank=rank,
@@ -137,7 +137,10 @@ class TorchDistWeightTransferEngine(
             device=self.device if init_info.transport == "nccl" else torch.device("cpu"),
             session_id=init_info.session_id,
         )
-        self.init_info = init_info
+        # Only once the new group formed: an init that failed (a closed port,
+        # a group that never formed) leaves the live session working.
+        self.shutdown()
+        self.group, self.init_info = group, init_info
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the reference receiver stages in its target,
