@@ -953,6 +953,25 @@ def test_receiver_port_in_use_is_named(receiver):
         Receiver(torch.nn.Linear(1, 1)).start(port=port)
 
 
+def test_ray_receiver_arguments_it_cannot_use_are_refused_naming_them():
+    """The class Ray hosts, called directly: a dtype it would ignore, and a
+    bare payload where vLLM's LLM takes a request (or {"init_info": ...})."""
+    from wt_callbacks.receiver import RayReceiver
+    from wt_callbacks.transfer import WeightTransferUpdateRequest
+
+    with pytest.raises(ValueError, match=r"dtype='bfloat16' applies to a model directory; pass the module in the dtype to serve"):
+        RayReceiver(models.tiny_mlp(), dtype="bfloat16")
+    served = RayReceiver(models.tiny_mlp())
+    bare = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+    with pytest.raises(ValueError, match=r"request must be a WeightTransferInitRequest or \{'init_info': \.\.\.\}, as vLLM's LLM takes; got a dict with keys \['master_address', "):
+        served.init_weight_transfer_engine(bare)
+    served.start_weight_update()
+    with pytest.raises(ValueError, match=r"request must be a WeightTransferUpdateRequest or \{'update_info': \.\.\.\}, .*; got a str"):
+        served.update_weights("names")
+    with pytest.raises(RuntimeError, match="init_weight_transfer_engine must be called"):  # the wrapped forms still go through
+        served.update_weights(WeightTransferUpdateRequest({"names": [], "dtype_names": [], "shapes": []}))
+
+
 MLP = ("--module-factory", "wt_callbacks.demos.models:tiny_mlp")
 
 
