@@ -421,7 +421,9 @@ class ReceiverCore:
             try:
                 # As in vLLM, inside the try: a refused update ends the update.
                 if update_info == []:
-                    raise BadRequest("update_info is an empty list; a list holds one entry per worker rank (this server has one)")
+                    raise BadRequest(
+                        "update_info is an empty list; a list holds one entry per worker rank (this server has one)"
+                    )
                 self.engine.update_weights(update_info[0] if isinstance(update_info, list) else update_info)
             except Exception:
                 self._stage = None

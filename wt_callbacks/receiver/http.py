@@ -262,7 +262,8 @@ class Receiver:
             sock.close()
             # Any other error (a name that does not resolve, an address of
             # another machine) is the host's, not the port's.
-            fix = "choose another --port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host must be an address of this machine"
+            in_use = e.errno in (errno.EADDRINUSE, errno.EACCES)
+            fix = "choose another --port" if in_use else "--host must be an address of this machine"
             raise OSError(f"receiver cannot listen on {host}:{port}: {e}; {fix}") from e
         app = build_app(self.core, self.model_name, api_key=self.api_key)
         config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)
