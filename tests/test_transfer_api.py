@@ -844,9 +844,10 @@ def test_receiver_refuses_mismatched_names_before_streaming(receiver):
 
 def test_a_round_that_leaves_a_served_parameter_out_is_refused_and_the_weights_kept():
     """DESIGN: a server that did not update every parameter it serves fails
-    the round and keeps the previous weights; refused at once, as vLLM's
-    plugin refuses it. A tied lm_head, sent once as its embedding, counts;
-    ``exclude`` of a tensor the server serves makes a partial round."""
+    the round and keeps the previous weights (at finish: a round may come in
+    several updates; vLLM's plugin refuses it at its one update). A tied
+    lm_head, sent once as its embedding, counts; ``exclude`` of a tensor the
+    server serves makes a partial round."""
     from wt_callbacks.checksums import module_checksums
 
     def round_into(url: str, source: WeightSource) -> None:
@@ -864,7 +865,7 @@ def test_a_round_that_leaves_a_served_parameter_out_is_refused_and_the_weights_k
         start = time.monotonic()
         with pytest.raises(WeightTransferError, match=(
             r"this round does not send checkpoint tensor 'layers.2.weight' \(and 1 more checkpoint tensors\), "
-            r"which the served model holds: it sends 4 of its 6. Nothing was received; the server keeps the previous weights"
+            r"which the served model holds: it sends 4 of its 6. Nothing was applied; the server keeps the previous weights"
         )):  # fmt: skip
             round_into(url, ModuleSource(models.TinyMLP(depth=2)))
         assert time.monotonic() - start < 10  # refused, not timed out

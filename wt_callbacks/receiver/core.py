@@ -98,6 +98,7 @@ class StagedWeights:
         # The wire dtype of the tensors received straight into their spares:
         # ``bytes`` counts what arrived, not the spare's size.
         self._received_as: dict[str, torch.dtype] = {}
+        self._announced: set[str] = set()  # the round's names so far, over its updates
         self.tensors = 0
         self.bytes = 0
 
@@ -105,11 +106,21 @@ class StagedWeights:
         self, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[tuple[int, ...]]
     ) -> None:
         """Refuse an update before anything is received: a name, shape or kind
-        of dtype the served model does not have, or one that leaves out a
-        tensor it serves (that tensor would stay stale; vLLM's plugin refuses
-        such a round too). A round sends the model once, in one update."""
+        of dtype the served model does not have, or one an earlier update of
+        the round sent. A round may send the model in several updates (one
+        per tensor, as TRL's classic client does): whether it left a tensor
+        out is checked at finish (``check_complete``), before anything is
+        applied."""
         self.check_tensors(names, dtypes, shapes)
-        self.check_complete(names)
+        again = next((n for n in names if n in self._announced), None)
+        if again is not None:
+            raise ValueError(f"{again!r} was already sent in this round")
+        self._announced.update(names)
+
+    def check_round_complete(self) -> None:
+        # A round without any update changes no weight (it sets the version, as in vLLM).
+        if self._announced:
+            self.check_complete(self._announced)
 
     def check_complete(self, names: Iterable[str]) -> None:
         """Raise naming the first checkpoint tensor of the served model that
@@ -122,7 +133,7 @@ class StagedWeights:
             raise ValueError(
                 f"this round does not send checkpoint tensor {missing[0]!r}{more}, which the served model holds: "
                 f"it sends {len(self._expected) - len(missing)} of its {len(self._expected)}. Nothing was "
-                "received; the server keeps the previous weights. The trainer must send every parameter of "
+                "applied; the server keeps the previous weights. The trainer must send every parameter of "
                 "the served model (check its module / include / exclude)"
             )
 
@@ -435,8 +446,16 @@ class ReceiverCore:
         with self._lock:
             if self._stage is None:
                 raise RuntimeError("finish_weight_update called without an active weight update.")
-            self.engine.finish_weight_update()
             stage = self._stage
+            try:
+                stage.check_round_complete()
+            except Exception:
+                # As a refused update: the update ends, nothing of it is applied.
+                self._stage = None
+                self.engine.reset_weight_update_target()
+                self.resume()
+                raise
+            self.engine.finish_weight_update()
             stage.commit()
             self._stage = None
             self.engine.reset_weight_update_target()
