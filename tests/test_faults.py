@@ -123,6 +123,17 @@ def weight_sync(url: str, client: Any, on_error: str, **config: Any) -> WeightSy
     return WeightSync(cfg, client=client)
 
 
+def assert_next_trainer_delivers(receiver: Any, model: torch.nn.Module, **config: Any) -> None:
+    """A fresh trainer's first round into ``receiver`` (after a fault) arrives bitwise."""
+    ws = weight_sync(receiver.url, None, "raise", **config)
+    try:
+        ws.setup(model)
+        assert ws.sync(0) is not None
+    finally:
+        ws.close()
+    assert receiver.checksums() == module_checksums(model)
+
+
 def run_cell(forks: ReceiverForks, fault: str, phase: str, on_error: str) -> tuple[float, str]:
     """One fault in one phase under one ``on_error``; returns (detection seconds, outcome)."""
     receiver = forks.start(FACTORY)
@@ -366,14 +377,7 @@ def test_trainer_rank_killed(forks, table, tmp_path, victim, transport):
     table.add(cell, "raise", report["raised_after_s"],
               f"rank {survivor} raised; server held old, serving after {serving['seconds']:.2f}s")  # fmt: skip
     # The restarted trainer's first round delivers.
-    model = getattr(models, model_name)(seed=5)
-    ws = weight_sync(receiver.url, None, "raise", transport=transport)
-    try:
-        ws.setup(model)
-        assert ws.sync(0) is not None
-    finally:
-        ws.close()
-    assert receiver.checksums() == module_checksums(model)
+    assert_next_trainer_delivers(receiver, getattr(models, model_name)(seed=5), transport=transport)
     receiver.kill()
 
 
@@ -439,14 +443,7 @@ def test_trainer_frozen_mid_stream(forks, table, tmp_path, transport):
         os.kill(trainer.pid, signal.SIGKILL)  # a stopped process dies of it too
         trainer.join(timeout=30)
     table.add(f"trainer frozen (mid-stream {transport})", "-", freed_s, "server held old, served again")
-    model = models.many_tensors(seed=5)
-    ws = weight_sync(receiver.url, None, "raise", transport=transport)
-    try:
-        ws.setup(model)
-        assert ws.sync(0) is not None
-    finally:
-        ws.close()
-    assert receiver.checksums() == module_checksums(model)
+    assert_next_trainer_delivers(receiver, models.many_tensors(seed=5), transport=transport)
     receiver.kill()
 
 
@@ -514,12 +511,5 @@ def test_trainer_frozen_while_a_server_joins(forks, table, stage):
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait(timeout=30)
     table.add(f"trainer frozen (at a server's {stage})", "-", failed_s, "init failed, server free")
-    model = models.many_tensors(seed=5)
-    ws = weight_sync(receiver.url, None, "raise")
-    try:
-        ws.setup(model)
-        assert ws.sync(0) is not None
-    finally:
-        ws.close()
-    assert receiver.checksums() == module_checksums(model)
+    assert_next_trainer_delivers(receiver, models.many_tensors(seed=5))
     receiver.kill()
