@@ -127,3 +127,47 @@ def test_released_call_form_with_vllms_own_init_info(fake_vllm):
     names = [call[1]["names"] for call in client.calls if call[0] == "update"]
     # 0.33 ships the metadata once; an unchanged round sends an empty update info.
     assert [len(n) for n in names] == ([6, 0] if fake_vllm.V033 else [6, 6])
+
+
+class GatherCountingSource(ModuleSource):
+    """Counts the tensors iterated, each an FSDP gather the other ranks join."""
+
+    gathers = 0
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self.gathers += 1
+            yield item
+
+
+class RefusingFinish(RecordingClient):
+    def finish_weight_update(self, weight_version=None):
+        super().finish_weight_update(weight_version)
+        raise RuntimeError("HTTP 500 at /finish_weight_update")
+
+
+class RefusingStart(RecordingClient):
+    def start_weight_update(self):
+        raise RuntimeError("HTTP 409 at /start_weight_update")
+
+
+@pytest.mark.parametrize("failure", ["refused start", "broadcast broken after 2 tensors", "refused finish"])
+def test_a_failed_round_runs_as_many_gathers_as_the_other_ranks(fake_vllm, monkeypatch, failure):
+    """A non-sender rank iterates the source once per round; the sender must
+    too, whether vLLM failed before, during or after its pass, or the ranks'
+    next collectives pair a surplus gather with the training step's."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    client = {"refused start": RefusingStart, "refused finish": RefusingFinish}.get(failure, RecordingClient)()
+    if failure.startswith("broadcast"):
+        monkeypatch.setattr(NCCLTrainerWeightTransferEngine, "broadcast_fails_after", 2)
+    source = GatherCountingSource(models.tiny_mlp(seed=0))
+    engine = WeightTransferTrainerFactory.trainer_init("nccl", {}, LOCAL, client=client, source=source)
+    tensors = len(source.metadata())
+    with pytest.raises(RuntimeError, match="HTTP 409|NCCL error|HTTP 500"):
+        engine.send_weights("v1")
+    assert source.gathers == tensors
+    monkeypatch.setattr(NCCLTrainerWeightTransferEngine, "broadcast_fails_after", None)
+    engine.client = engine.inner.client = RecordingClient()
+    engine.send_weights("v2")  # the next round is a whole pass again
+    assert source.gathers == 2 * tensors

@@ -113,7 +113,33 @@ def _vllm_release(backend: str) -> str:
     return release
 
 
-def _as_vllm_source(source: WeightSource, base: Any, release: str) -> Any:
+class _Passes:
+    """The passes vLLM's engine takes over our source, so that a failed round
+    can finish the pass the other trainer ranks are in."""
+
+    def __init__(self, source: WeightSource) -> None:
+        self.source = source
+        self.current: Iterator[tuple[str, torch.Tensor]] | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.current = iter(self.source)
+        return self.current
+
+    def begin_round(self) -> None:
+        self.current = None
+
+    def finish_after_failure(self) -> None:
+        """Run the gathers of this round that this rank has not run: the rest
+        of the pass vLLM began (none if it ended, as when a finish was
+        refused), or a whole pass if vLLM failed before iterating (a refused
+        start). A fresh pass after a partial one would run more gathers than
+        the other ranks, and their next collective would meet this rank's
+        surplus gather instead."""
+        pending, self.current = self.current, None
+        drain(self.source if pending is None else pending)
+
+
+def _as_vllm_source(source: _Passes, base: Any, release: str) -> Any:
     """Our source seen as the ``WeightSource`` of vLLM ``release`` (``base`` is
     its ``vllm.distributed.weight_transfer.base`` module).
 
@@ -125,7 +151,7 @@ def _as_vllm_source(source: WeightSource, base: Any, release: str) -> Any:
     """
 
     def metadata() -> list[Any]:
-        return [base.ParamMeta(m.name, m.dtype, m.shape) for m in source.metadata()]
+        return [base.ParamMeta(m.name, m.dtype, m.shape) for m in source.source.metadata()]
 
     if release == "0.32":
 
@@ -158,9 +184,13 @@ class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConf
     vllm_engine: ClassVar[str]
     vllm_init_info: ClassVar[str]
 
-    def __init__(self, config: VLLMNativeTrainerConfig, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool, inner: Any) -> None:
+    def __init__(
+        self, config: VLLMNativeTrainerConfig, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool,
+        inner: Any, passes: _Passes,
+    ) -> None:  # fmt: skip
         super().__init__(config, client=client, source=source, is_sender=is_sender)
         self.inner = inner
+        self._passes = passes
 
     @classmethod
     def trainer_init(
@@ -180,10 +210,11 @@ class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConf
             raise ValueError(f"source must be a WeightSource (e.g. ModuleSource(model)), got {type(source).__name__}")
         wire_source = source.with_wire_dtype(None if config.dtype is None else dtype_from_name(config.dtype))
         vllm_info = getattr(module, cls.vllm_init_info)(**cls._vllm_init_kwargs(config, init_info, client))
+        passes = _Passes(wire_source)
         inner = getattr(module, cls.vllm_engine).trainer_init(
-            vllm_info, client=client, source=_as_vllm_source(wire_source, base, release)
+            vllm_info, client=client, source=_as_vllm_source(passes, base, release)
         )
-        return cls(config, client=client, source=wire_source, is_sender=init_info.rank == 0, inner=inner)
+        return cls(config, client=client, source=wire_source, is_sender=init_info.rank == 0, inner=inner, passes=passes)
 
     @classmethod
     def _vllm_init_kwargs(cls, config: VLLMNativeTrainerConfig, init_info: Any, client: Any) -> dict[str, Any]:
@@ -191,13 +222,14 @@ class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConf
 
     def send_weights(self, weight_version: str | None = None) -> None:
         start = time.perf_counter()
+        self._passes.begin_round()
         try:
             self.inner.send_weights()
         except BaseException:
-            # vLLM's sender can fail before touching the source (a refused
-            # start) while the other ranks gather: finish the pass with them.
-            if self.is_sender:
-                drain(self.source)
+            # vLLM's sender can fail before, during or after its pass over the
+            # source (a refused start, a broken broadcast, a refused finish)
+            # while the other ranks gather: finish the pass with them.
+            self._passes.finish_after_failure()
             raise
         # vLLM's engines finish without a version; tag it afterwards.
         update_version = getattr(self.client, "update_weight_version", None)

@@ -74,6 +74,7 @@ class RecordingTrainerEngine:
     trainer_init and sends an empty update info when the metadata did not change."""
 
     created: ClassVar[list] = []
+    broadcast_fails_after: ClassVar[int | None] = None  # tensors the sender's broadcast sends before it breaks
 
     def __init__(self, init_info, client, source):
         self.init_info, self.client, self.source = init_info, client, source
@@ -97,7 +98,11 @@ class RecordingTrainerEngine:
             self.client.start_weight_update()
             names = [] if V033 and meta == self._sent_meta else [m.name for m in meta]
             self.client.update_weights({"names": names})
-        self.sent = [(name, tensor.dtype) for name, tensor in (self.source.iter_full() if V033 else self.source)]
+        self.sent = []
+        for name, tensor in self.source.iter_full() if V033 else self.source:
+            if self.init_info.rank == 0 and len(self.sent) == self.broadcast_fails_after:
+                raise RuntimeError("NCCL error: remote process exited")
+            self.sent.append((name, tensor.dtype))
         if self.init_info.rank == 0:
             self.client.finish_weight_update()
         self._sent_meta = meta
