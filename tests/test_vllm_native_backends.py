@@ -171,3 +171,18 @@ def test_a_failed_round_runs_as_many_gathers_as_the_other_ranks(fake_vllm, monke
     engine.client = engine.inner.client = RecordingClient()
     engine.send_weights("v2")  # the next round is a whole pass again
     assert source.gathers == 2 * tensors
+
+
+def test_ipc_defaults_to_vllms_unpacked_handles_and_nccl_to_packed(fake_vllm):
+    source = ModuleSource(models.tiny_mlp(seed=0))
+    ipc = WeightTransferTrainerFactory.trainer_init("ipc", {}, {"rank": 0}, client=RecordingClient(), source=source)
+    nccl = WeightTransferTrainerFactory.trainer_init("nccl", {}, LOCAL, client=RecordingClient(), source=source)
+    assert (ipc.inner.init_info.packed, nccl.inner.init_info.packed) == (False, True)
+
+
+def test_ipc_over_http_is_refused_before_any_call_naming_ray_actors(fake_vllm):
+    from wt_callbacks.transfer import HTTPVLLMWeightSyncClient
+
+    client = HTTPVLLMWeightSyncClient("http://127.0.0.1:9", timeout=1)  # never reached
+    with pytest.raises(ValueError, match=r"'ipc' cannot send its CUDA IPC handles over HTTP .*ray_actors:"):
+        WeightTransferTrainerFactory.trainer_init("ipc", {}, {"rank": 0}, client=client, source=ModuleSource(models.tiny_mlp(seed=0)))

@@ -39,7 +39,7 @@ from wt_callbacks.transfer.base import (
     drain,
     dtype_from_name,
 )
-from wt_callbacks.transfer.clients import group_world_size
+from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient, group_world_size
 from wt_callbacks.transfer.validation import check_positive, parse_wire_dtype
 
 VLLM_DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3
@@ -51,7 +51,8 @@ class VLLMNativeTrainerConfig(WeightTransferConfig):
     """Settings of the ``nccl`` / ``ipc`` trainer engines (vLLM's own defaults)."""
 
     backend: str = "nccl"
-    packed: bool = True
+    packed: bool | None = None
+    """``None``: vLLM's default for the backend (``nccl`` packed, ``ipc`` not)."""
     packed_buffer_size_bytes: int = VLLM_DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = VLLM_DEFAULT_PACKED_NUM_BUFFERS
     dtype: str | None = None
@@ -59,6 +60,8 @@ class VLLMNativeTrainerConfig(WeightTransferConfig):
     def __post_init__(self) -> None:
         if self.backend not in ("nccl", "ipc"):
             raise ValueError(f"backend must be 'nccl' or 'ipc' for this config, got {self.backend!r}")
+        if self.packed is None:
+            self.packed = self.backend == "nccl"
         for key in ("packed_buffer_size_bytes", "packed_num_buffers"):
             check_positive(key, getattr(self, key), integer=True)
         if self.dtype is not None:
@@ -203,6 +206,7 @@ class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConf
     ) -> _VLLMNativeTrainerEngine:
         config = cls.parse_config({"backend": cls.backend, **config} if isinstance(config, Mapping) else config)
         init_info = cls.parse_init_info(init_info)
+        cls._check_client(client)
         module = _import_vllm(cls.backend, cls.vllm_module)
         base = _import_vllm(cls.backend, "vllm.distributed.weight_transfer.base")
         release = _vllm_release(cls.backend)
@@ -219,6 +223,10 @@ class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConf
     @classmethod
     def _vllm_init_kwargs(cls, config: VLLMNativeTrainerConfig, init_info: Any, client: Any) -> dict[str, Any]:
         raise NotImplementedError
+
+    @classmethod
+    def _check_client(cls, client: Any) -> None:
+        """Refuse, before any call reaches a server, a client this backend cannot speak through."""
 
     def send_weights(self, weight_version: str | None = None) -> None:
         start = time.perf_counter()
@@ -279,6 +287,19 @@ class IPCTrainerWeightTransferEngine(_VLLMNativeTrainerEngine):
     vllm_module = "vllm.distributed.weight_transfer.ipc_engine"
     vllm_engine = "IPCTrainerWeightTransferEngine"
     vllm_init_info = "IPCTrainerInitInfo"
+
+    @classmethod
+    def _check_client(cls, client: Any) -> None:
+        # vLLM's own HTTP client pickles the IPC handles (torch classes and
+        # dtypes) into the request, which its server unpickles only under
+        # VLLM_ALLOW_INSECURE_SERIALIZATION=1; ours sends no pickle, so the
+        # handles could not be encoded at the first update.
+        if isinstance(client, HTTPVLLMWeightSyncClient):
+            raise ValueError(
+                "backend 'ipc' cannot send its CUDA IPC handles over HTTP (servers:) without pickling them; "
+                "reach the server through Ray actors (ray_actors:), which carry the handles, or use "
+                "backend 'nccl' or 'torch_dist'"
+            )
 
     @classmethod
     def _vllm_init_kwargs(cls, config: VLLMNativeTrainerConfig, init_info: IPCTrainerInitInfo, client: Any) -> dict[str, Any]:
