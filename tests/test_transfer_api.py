@@ -85,8 +85,8 @@ def test_lazy_registration_needs_a_class_name_and_imports_on_use():
         )
         assert isinstance(engine, TorchDistWeightTransferEngine)
     finally:  # the registries are process-wide: leave them as other tests expect
-        WeightTransferTrainerFactory._registry.loaders.pop("lazy-test")
-        WeightTransferEngineFactory._registry.loaders.pop("direct-test")
+        WeightTransferTrainerFactory._registry.pop("lazy-test")
+        WeightTransferEngineFactory._registry.pop("direct-test")
 
 
 def test_released_vllm_call_form_names_the_backend_in_the_init_info():
@@ -103,7 +103,13 @@ def test_released_vllm_call_form_names_the_backend_in_the_init_info():
         assert engine.config.packed_buffer_size_bytes == 1 << 20
         engine.send_weights("step-1")
         engine.shutdown()
-        assert served.core.version_history == ["step-1"]
+        # This project's own init info dataclass names its backend as vLLM's do.
+        engine = WeightTransferTrainerFactory.trainer_init(
+            TorchDistTrainerInitInfo(**LOCAL), client=client, source=ModuleSource(trainer_model)
+        )
+        engine.send_weights("step-2")
+        engine.shutdown()
+        assert served.core.version_history == ["step-1", "step-2"]
         assert module_checksums(served_model) == module_checksums(trainer_model)
     # Every engine's config and init info fields are disjoint: a flat key has one home.
     for backend in WeightTransferTrainerFactory.available():

@@ -186,3 +186,13 @@ def test_ipc_over_http_is_refused_before_any_call_naming_ray_actors(fake_vllm):
     client = HTTPVLLMWeightSyncClient("http://127.0.0.1:9", timeout=1)  # never reached
     with pytest.raises(ValueError, match=r"'ipc' cannot send its CUDA IPC handles over HTTP .*ray_actors:"):
         WeightTransferTrainerFactory.trainer_init("ipc", {}, {"rank": 0}, client=client, source=ModuleSource(models.tiny_mlp(seed=0)))
+
+
+def test_released_call_form_with_this_projects_init_info(fake_vllm):
+    from wt_callbacks.transfer.backends.vllm_native import IPCTrainerInitInfo, NCCLTrainerInitInfo
+
+    source = ModuleSource(models.tiny_mlp(seed=0))
+    nccl = WeightTransferTrainerFactory.trainer_init(NCCLTrainerInitInfo(**LOCAL, world_size=3), client=RecordingClient(), source=source)
+    ipc = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(rank=1), client=RecordingClient(), source=source)
+    assert (type(nccl).__name__, nccl.inner.init_info.world_size) == ("NCCLTrainerWeightTransferEngine", 3)
+    assert (type(ipc).__name__, ipc.inner.init_info.rank) == ("IPCTrainerWeightTransferEngine", 1)

@@ -30,15 +30,17 @@ logger = logging.getLogger(__name__)
 TEngine = TypeVar("TEngine")
 
 
-class _Registry:
-    """Name -> lazy class loader; shared by both factories."""
+class _Registry(dict[str, Callable[[], type]]):
+    """Name -> lazy class loader; shared by both factories. A ``dict``, as
+    vLLM's ``_registry``, so code that looks a name up in it or removes one
+    (test clean-up, capability checks) works unchanged."""
 
     def __init__(self, kind: str) -> None:
+        super().__init__()
         self.kind = kind
-        self.loaders: dict[str, Callable[[], type]] = {}
 
     def register(self, name: str, module_path_or_cls: str | type, class_name: str | None) -> None:
-        if name in self.loaders:
+        if name in self:
             raise ValueError(f"{self.kind} '{name}' is already registered.")
         if isinstance(module_path_or_cls, str):
             if class_name is None:
@@ -48,18 +50,18 @@ class _Registry:
             def loader() -> type:
                 return getattr(importlib.import_module(module_path), class_name)
 
-            self.loaders[name] = loader
+            self[name] = loader
         else:
             engine_cls = module_path_or_cls
-            self.loaders[name] = lambda: engine_cls
+            self[name] = lambda: engine_cls
 
     def load(self, name: str) -> type:
-        if name not in self.loaders:
+        if name not in self:
             raise ValueError(
                 f"Invalid weight transfer backend: {name!r}. "
-                f"Available {self.kind}s: {sorted(self.loaders)}"
+                f"Available {self.kind}s: {sorted(self)}"
             )
-        return self.loaders[name]()
+        return self[name]()
 
 
 class WeightTransferEngineFactory:
@@ -80,7 +82,7 @@ class WeightTransferEngineFactory:
 
     @classmethod
     def available(cls) -> list[str]:
-        return sorted(cls._registry.loaders)
+        return sorted(cls._registry)
 
     @classmethod
     def create_engine(
@@ -114,7 +116,7 @@ class WeightTransferTrainerFactory:
 
     @classmethod
     def available(cls) -> list[str]:
-        return sorted(cls._registry.loaders)
+        return sorted(cls._registry)
 
     @classmethod
     def engine_class(cls, backend: str) -> type[TrainerWeightTransferEngine]:

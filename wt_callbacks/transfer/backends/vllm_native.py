@@ -73,6 +73,7 @@ class NCCLTrainerInitInfo(WeightTransferInitInfo):
     """Rendezvous of ``nccl``: as vLLM's, with ``world_size`` optional
     (1 + the servers' world size, asked from the client)."""
 
+    backend: ClassVar[str] = "nccl"  # the released trainer_init(init_info, ...) form dispatches on it
     master_address: str
     master_port: int
     rank: int
@@ -83,6 +84,7 @@ class NCCLTrainerInitInfo(WeightTransferInitInfo):
 class IPCTrainerInitInfo(WeightTransferInitInfo):
     """``ipc`` needs no rendezvous: the trainer and the server share the GPUs."""
 
+    backend: ClassVar[str] = "ipc"
     rank: int
 
 

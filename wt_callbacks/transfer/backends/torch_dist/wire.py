@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -121,6 +121,7 @@ class TorchDistTrainerInitInfo(WeightTransferInitInfo):
             the client (``get_world_size()``) and adds 1.
     """
 
+    backend: ClassVar[str] = "torch_dist"  # the released trainer_init(init_info, ...) form dispatches on it
     master_address: str
     master_port: int
     rank: int
