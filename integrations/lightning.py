@@ -120,8 +120,14 @@ class WeightSyncCallback(Callback):
         return dict(self._restored or self._final or {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Lightning restores callbacks before on_fit_start builds the driver.
-        # Only a checkpoint restores counters: a fit without one (this
+        # Strategies that restore after setup (ModelParallel, FSDP, DeepSpeed)
+        # call this after on_fit_start built the driver, still before
+        # on_train_start's cold sync: the counters go straight into it.
+        if self.weight_sync is not None:
+            self.weight_sync.load_state_dict(state_dict)
+            return
+        # Otherwise Lightning restores callbacks before on_fit_start builds the
+        # driver. Only a checkpoint restores counters: a fit without one (this
         # callback reused for another run) starts them at zero, or the last
         # run's synced step would keep the new run's same step from the servers.
         self._restored = dict(state_dict)
