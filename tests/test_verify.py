@@ -17,7 +17,7 @@ from wt_callbacks.demos.tiny_lms import TINY_LMS
 from wt_callbacks.receiver import Receiver
 from wt_callbacks.sync import WeightSync
 from wt_callbacks.transfer import WeightTransferError
-from wt_callbacks.verify import ProbeSet, served_logprob_diff
+from wt_callbacks.verify import ProbeSet, max_logprob_diff, served_logprob_diff, teacher_forced_logprobs
 
 FACTORY = "wt_callbacks.demos.tiny_lms:qwen3_moe"
 
@@ -92,11 +92,24 @@ def test_setup_refuses_what_cannot_be_verified(receiver_proc):
         ws.setup(tiny_mlp(seed=0))
     with pytest.raises(ValueError, match=r"verify_every_n_syncs: verification asks the servers for completions over HTTP; it needs servers"):
         SyncConfig(ray_actors=["llm"], verify_every_n_syncs=1)
-    with pytest.raises(ValueError, match=r"verify_tolerance=0 must be a positive number"):
-        sync_config(receiver.url, verify_tolerance=0)
+    for tolerance in (0, float("nan"), float("inf")):  # NaN or inf would pass every round
+        with pytest.raises(ValueError, match=rf"verify_tolerance={tolerance!r} must be a positive number"):
+            sync_config(receiver.url, verify_tolerance=tolerance)
 
 
 def test_probes_are_fixed_and_inside_the_vocabulary():
     a, b = ProbeSet.for_vocab(300), ProbeSet.for_vocab(300)
     assert a == b and len(a.prompts) == 4
     assert all(4 <= t < 300 for p in a.prompts for t in p)
+
+
+def test_a_server_answering_nan_logprobs_fails_any_tolerance():
+    """Weights gone NaN serve NaN logprobs; max() would keep 0 over them and
+    NaN > tolerance is false, so the round would pass."""
+    model = TINY_LMS["qwen3_moe"](seed=0)
+    probes = ProbeSet.for_vocab(model.config.vocab_size)
+    tokens = [5, 6, 7]
+    good = [(tokens, teacher_forced_logprobs(model, p, tokens)) for p in probes.prompts]
+    nan = [(tokens, [float("nan")] * 3) for _ in probes.prompts]
+    diffs = max_logprob_diff(model, probes, {"good": good, "nan": nan})
+    assert diffs["good"] < 1e-6 and diffs["nan"] == float("inf")

@@ -33,6 +33,7 @@ import dataclasses
 import datetime
 import difflib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,7 +162,7 @@ class SyncConfig:
                     "it needs servers: [http://host:port, ...], not ray_actors"
                 )
         tolerance = self.verify_tolerance
-        if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance <= 0):
+        if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < math.inf):
             raise ValueError(f"verify_tolerance={tolerance!r} must be a positive number (nats of logprob)")
 
         available = WeightTransferTrainerFactory.available()

@@ -16,6 +16,7 @@ are fixed (seeded) so that every check of a run asks the same question.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,8 +134,16 @@ def max_logprob_diff(
         worst[url] = 0.0
         for prompt, (tokens, logprobs) in zip(probes.prompts, answers):
             expected = teacher_forced_logprobs(model, prompt, tokens)
-            worst[url] = max([worst[url], *(abs(a - b) for a, b in zip(logprobs, expected))])
+            worst[url] = max([worst[url], *(_distance(a, b) for a, b in zip(logprobs, expected))])
     return worst
+
+
+def _distance(served: float, expected: float) -> float:
+    """|served - expected|, infinite when either is not finite: ``max`` keeps
+    its first argument over a NaN and ``nan > tolerance`` is false, so a
+    server whose weights went NaN would otherwise pass."""
+    d = abs(served - expected)
+    return d if math.isfinite(d) else math.inf
 
 
 def served_logprob_diff(
