@@ -140,6 +140,7 @@ def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
         ({"timeout_s": float("inf")}, r"timeout_s=inf must be a positive number of seconds"),
         ({"train_time_interval": "10m"}, r"train_time_interval='10m' must be a positive number of seconds"),
         ({"timeout_s": -5}, r"timeout_s=-5 must be a positive number of seconds"),
+        ({"timeout_s": 1e15}, r"timeout_s=1000000000000000.0 must be a positive number of seconds \(<= 1e\+09\)"),
         ({"every_n_train_steps": "10"}, r"key 'every_n_train_steps' must be of type int \| None, got str"),
         ({"backend": "torch_dst"}, r"backend='torch_dst' is not one of \('ipc', 'nccl', 'torch_dist'\); did you mean 'torch_dist'\?"),
         ({"servers": []}, r"no servers to sync to: set servers: \[http://host:port, \.\.\.\] .* or ray_actors"),

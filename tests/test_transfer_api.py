@@ -201,6 +201,16 @@ def test_worker_parse_errors_name_the_key():
         engine.parse_update_info({"names": ["a", "b"], "dtype_names": ["float32"], "shapes": [[1]]})
     with pytest.raises(ValueError, match=r"dtype_names\[0\]='floaty' is not a torch dtype name"):
         engine.parse_update_info({"names": ["a"], "dtype_names": ["floaty"], "shapes": [[1]]})
+    # What a hostile or broken caller sends gets the key, not a TypeError from deep inside.
+    init = {"master_address": "a", "master_port": 1, "world_size": 2, "rank_offset": 1}
+    with pytest.raises(ValueError, match=r"world_size must be in 2\.\.2147483647, got 1099511627776"):
+        engine.parse_init_info({**init, "world_size": 2**40})
+    with pytest.raises(ValueError, match=r"timeout_s=1000000000000000.0 must be a positive number of seconds \(<= 1e\+09\)"):
+        engine.parse_init_info({**init, "timeout_s": 1e15})
+    with pytest.raises(ValueError, match=r"names\[0\] must be a tensor name \(a string\), got 7"):
+        engine.parse_update_info({"names": [7], "dtype_names": ["float32"], "shapes": [[1]]})
+    with pytest.raises(ValueError, match=r"shapes\[0\] \(a\) must be a list of non-negative ints, got 64"):
+        engine.parse_update_info({"names": ["a"], "dtype_names": ["float32"], "shapes": [64]})
     info = engine.parse_update_info({"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]]})
     assert isinstance(info, TorchDistWeightTransferUpdateInfo) and info.dtypes == [torch.bfloat16]
 

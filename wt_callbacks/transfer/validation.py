@@ -17,19 +17,26 @@ import torch
 from wt_callbacks.transfer.base import dtype_from_name
 
 
+MAX_SECONDS = 1e9
+"""About 31 years: "no limit" in practice, and far below what the clocks
+behind a wait take (a TCPStore deadline of 1e15 s is out of time_t's range
+and fails the rendezvous with an error that names no key)."""
+
+
 def check_positive(key: str, value: Any, *, integer: bool = False, zero_means: str | None = None) -> None:
     """``value`` must be a finite number > 0 (an ``int`` if ``integer``;
-    otherwise seconds), or ``0`` when ``zero_means`` says what a ``0`` does
-    (it goes into the message). NaN fails too: every comparison with it is
-    false, so a NaN timeout or interval would never fire."""
+    otherwise seconds, at most ``MAX_SECONDS``), or ``0`` when ``zero_means``
+    says what a ``0`` does (it goes into the message). NaN fails too: every
+    comparison with it is false, so a NaN timeout or interval would never fire."""
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         ok = False
     else:
-        ok = 0 < value < math.inf or (zero_means is not None and value == 0)
+        ok = 0 < value <= (math.inf if integer else MAX_SECONDS) and value != math.inf
+        ok = ok or (zero_means is not None and value == 0)
     if not ok:
         raise ValueError(
-            f"{key}={value!r} must be a positive " + ("integer" if integer else "number of seconds")
+            f"{key}={value!r} must be a positive " + ("integer" if integer else f"number of seconds (<= {MAX_SECONDS:g})")
             + (f", or 0 for {zero_means}" if zero_means else "")
         )
 

@@ -40,6 +40,8 @@ DEFAULT_PACKED_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 300.0
 TRANSPORTS = ("auto", "gloo", "nccl", "shm")
 WORKER_TRANSPORTS = ("gloo", "nccl", "shm")
+MAX_WORLD_SIZE = 2**31 - 1
+"""The largest group torch.distributed's C++ side (a 32-bit int) can form."""
 
 
 @dataclass
@@ -171,10 +173,10 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
     all_or_nothing: bool = True
 
     def __post_init__(self) -> None:
-        if self.rank_offset < 1:
+        if not 1 <= self.rank_offset < MAX_WORLD_SIZE:
             raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer), got {self.rank_offset}")
-        if self.world_size < 2:
-            raise ValueError(f"world_size must be >= 2, got {self.world_size}")
+        if not 2 <= self.world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size must be in 2..{MAX_WORLD_SIZE}, got {self.world_size}")
         check_positive("packed_buffer_size_bytes", self.packed_buffer_size_bytes, integer=True)
         check_positive("packed_num_buffers", self.packed_num_buffers, integer=True)
         check_positive("timeout_s", self.timeout_s)
@@ -198,11 +200,14 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 f"names, dtype_names and shapes must have equal lengths, got "
                 f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}"
             )
+        for i, name in enumerate(self.names):
+            if not isinstance(name, str):
+                raise ValueError(f"names[{i}] must be a tensor name (a string), got {name!r}")
         check_names_unique(self.names, key="names")
         self.dtypes = [dtype_from_name(n, key=f"dtype_names[{i}]") for i, n in enumerate(self.dtype_names)]
         for i, shape in enumerate(self.shapes):
-            if not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise ValueError(f"shapes[{i}] ({self.names[i]}) must be non-negative ints, got {shape}")
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError(f"shapes[{i}] ({self.names[i]}) must be a list of non-negative ints, got {shape!r}")
 
 
 def check_names_unique(names: Iterable[str], *, key: str) -> None:
