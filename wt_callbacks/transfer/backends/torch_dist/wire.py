@@ -206,7 +206,7 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         check_names_unique(self.names, key="names")
         self.dtypes = [dtype_from_name(n, key=f"dtype_names[{i}]") for i, n in enumerate(self.dtype_names)]
         for i, shape in enumerate(self.shapes):
-            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise ValueError(f"shapes[{i}] ({self.names[i]}) must be a list of non-negative ints, got {shape!r}")
 
 
