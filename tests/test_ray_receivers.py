@@ -35,6 +35,9 @@ def test_two_named_actors_receive_one_round(ray_cluster):
     # By name, as a YAML config would list them.
     client = RayVLLMWeightSyncClient(["receiver-0", "receiver-1"], timeout=60)
     assert client.get_world_size() == 2
+    # vLLM's own client's habit (one init info for every actor) is told what differs here.
+    with pytest.raises(ValueError, match=r"world_size=2 does not match the servers.* pass shared_group=True"):
+        client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2})
     engine = WeightTransferTrainerFactory.trainer_init(
         "torch_dist",
         {"timeout_s": 60, "dtype": "bfloat16"},

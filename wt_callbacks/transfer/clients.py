@@ -379,7 +379,15 @@ class RayVLLMWeightSyncClient:
         if self.shared_group or len(self.handles) == 1:
             payloads = [dict(init_info)] * len(self.handles)
         else:
-            payloads = assign_rank_offsets(init_info, self.world_sizes())
+            try:
+                payloads = assign_rank_offsets(init_info, self.world_sizes())
+            except ValueError as e:
+                # vLLM's own Ray client sends every actor the same init info
+                # (the DP ranks of one deployment); code written for it lands here.
+                raise ValueError(
+                    f"{e}. If these actors are the data-parallel ranks of one vLLM deployment, pass "
+                    "shared_group=True: they then take the same init info and place themselves"
+                ) from e
         refs = [
             h.init_weight_transfer_engine.remote(WeightTransferInitRequest(init_info=p))
             for h, p in zip(self.handles, payloads)
