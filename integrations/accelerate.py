@@ -31,23 +31,9 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from wt_callbacks.config import SyncConfig
-from wt_callbacks.sync import Collectives, SyncResult, WeightSync
+from wt_callbacks.sync import Collectives, SyncResult, WeightSync, trainer_ranks
 
 logger = get_logger(__name__)
-
-
-def _ranks(accelerator: Accelerator) -> tuple[int, int]:
-    """This process's trainer rank and the world size.
-
-    torch.distributed's when its group is up: under DeepSpeed on a CPU-only
-    machine Accelerate reports one process, index 0, on every rank while
-    DeepSpeed runs a real multi-rank group (every rank would send).
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return accelerator.process_index, accelerator.num_processes
 
 
 class _EngineStepHooks:
@@ -127,7 +113,7 @@ class WeightSyncHook:
         self._handles: list[Any] = []
         prepared = self._prepared_optimizer(optimizer) if optimizer is not None else None
         self.weight_sync = WeightSync(self.config, client=client, log=logger.info)
-        rank, world_size = _ranks(accelerator)
+        rank, world_size = trainer_ranks(accelerator.process_index, accelerator.num_processes)
         self.weight_sync.setup(
             # As prepare returned it (FSDP1 root unit, DeepSpeed engine, DDP):
             # the sharding scheme is detected there, wrapper names are stripped.

@@ -50,7 +50,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 
 from wt_callbacks.config import SyncConfig, shared_resume_state_error
-from wt_callbacks.sync import Collectives, SyncResult, WeightSync
+from wt_callbacks.sync import Collectives, SyncResult, WeightSync, trainer_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -226,10 +226,10 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         self.weight_sync = WeightSync(self.config, client=self._client)
         if self._restored:
             self.weight_sync.load_state_dict(self._restored)
-        world_size = args.world_size
+        rank, world_size = trainer_ranks(args.process_index, args.world_size)
         self.weight_sync.setup(
             kwargs["model"],
-            rank=args.process_index,
+            rank=rank,
             world_size=world_size,
             collectives=Collectives.from_torch_distributed() if world_size > 1 else None,
         )

@@ -52,6 +52,23 @@ from wt_callbacks.verify import Verifier
 logger = logging.getLogger(__name__)
 
 
+def trainer_ranks(framework_rank: int, framework_world_size: int) -> tuple[int, int]:
+    """This process's trainer rank and the world size: torch.distributed's
+    default group's when it is up, else what the framework reports.
+
+    The group's count is the one ``Collectives.from_torch_distributed`` and the
+    sources' gathers run over. A framework's own can differ: under DeepSpeed on
+    a CPU-only machine Accelerate (and the transformers Trainer, through it)
+    reports one process, index 0, on every rank while DeepSpeed runs a real
+    multi-rank group, so every rank would act as the sender.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return framework_rank, framework_world_size
+
+
 @dataclass(frozen=True)
 class Collectives:
     """How trainer ranks agree, built by the framework adapter.
