@@ -238,7 +238,7 @@ class WeightSyncCallback(Callback):
         return result
 
     def _report(self, trainer: pl.Trainer, result: SyncResult | None) -> None:
-        """``result.metrics()`` straight to every logger, once, at ``trainer.global_step``.
+        """``result.metrics()`` straight to every logger, once, on Lightning's logging axis.
 
         A round is an event: through ``pl_module.log`` Lightning would keep
         the value and send it again at every ``log_every_n_steps`` until the
@@ -247,5 +247,10 @@ class WeightSyncCallback(Callback):
         """
         if result is None or not trainer.is_global_zero:
             return
+        # The step Lightning logs its own rows at (LearningRateMonitor's too):
+        # batches that stepped, where global_step counts every optimizer's
+        # steps (twice as fast with an actor and a critic). The round's
+        # optimizer step is in the row as weight_sync/step.
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:
-            logger.log_metrics(result.metrics(), step=trainer.global_step)
+            logger.log_metrics(result.metrics(), step=step)

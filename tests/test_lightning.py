@@ -303,9 +303,11 @@ def test_each_sync_is_one_csv_row_and_the_gauges_follow_log_every_n_steps(receiv
     assert served(receiver.url)["version_history"] == ["step-0", "step-5", "step-10", "step-12"]
     rows = list(csv.DictReader(open(f"{logger.log_dir}/metrics.csv")))
     syncs = [r for r in rows if r["weight_sync/syncs_completed"]]
-    # One row per sync, at its step; not repeated at the following steps.
+    # One row per sync, on Lightning's own axis (the row of the batch whose
+    # optimizer step it follows; the final one after the last batch); not
+    # repeated at the following steps.
     assert [(int(r["step"]), float(r["weight_sync/step"]), float(r["weight_sync/syncs_completed"])) for r in syncs] == [
-        (0, 0.0, 1.0), (5, 5.0, 2.0), (10, 10.0, 3.0), (12, 12.0, 4.0),
+        (0, 0.0, 1.0), (4, 5.0, 2.0), (9, 10.0, 3.0), (12, 12.0, 4.0),
     ]  # fmt: skip
     gauges = [(int(r["step"]), float(r["weight_sync/steps_behind"])) for r in rows if r["weight_sync/steps_behind"]]
     # Every logging step (Lightning's row step is the step before the optimizer step it logs).
