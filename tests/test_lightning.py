@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import requests
+import torch
 
 pytest.importorskip("lightning")
 
@@ -85,11 +86,15 @@ def test_train_time_interval(receiver_proc):
 
 
 @pytest.mark.parametrize("strategy", ["auto", "model_parallel"])
-def test_resume_cold_syncs_then_cadence_continues(receiver_proc, tmp_path, strategy):
+def test_resume_cold_syncs_then_cadence_continues(receiver_proc, tmp_path, strategy, request):
     """The restarted job's server is on a new port (as after most restarts):
     the resume state still applies, since it is keyed on what is synced.
     ModelParallelStrategy (as FSDP and DeepSpeed) restores the callbacks after
     on_fit_start, once the driver exists."""
+    if strategy == "model_parallel":
+        # One device, in this process: the default group it starts would stay
+        # up for the next test file this pytest worker runs.
+        request.addfinalizer(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
     receiver, restarted = receiver_proc(), receiver_proc()
     first = run(section(receiver.url, every_n_train_steps=3), strategy=strategy, max_steps=6, ckpt_dir=str(tmp_path))
     assert first["state"]["last_synced_step"] == 6

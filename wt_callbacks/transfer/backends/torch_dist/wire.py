@@ -176,7 +176,7 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
         if not 1 <= self.rank_offset < MAX_WORLD_SIZE:
             raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer), got {self.rank_offset}")
         if not 2 <= self.world_size <= MAX_WORLD_SIZE:
-            raise ValueError(f"world_size must be in 2..{MAX_WORLD_SIZE}, got {self.world_size}")
+            raise ValueError(f"world_size must be >= 2 (and <= {MAX_WORLD_SIZE}), got {self.world_size}")
         check_positive("packed_buffer_size_bytes", self.packed_buffer_size_bytes, integer=True)
         check_positive("packed_num_buffers", self.packed_num_buffers, integer=True)
         check_positive("timeout_s", self.timeout_s)
