@@ -131,6 +131,15 @@ class GatherThenCastSource(ModuleSource):
             yield name, full if full.dtype == wire else full.to(wire)
 
 
+class NonSendersBuildTensorsSource(ModuleSource):
+    """Baseline: the bucketed gather, but rank 1 builds every full tensor and
+    drops it (``ModuleSource`` before ``gather_only``: a rank that does not
+    send iterated the whole source)."""
+
+    def gather_only(self) -> Iterator[str]:
+        return (name for name, _ in self.iter_uncast())
+
+
 @dataclass(frozen=True)
 class Variant:
     """One measured source: its name, wire dtype, and the dtype the all-gather moves."""
@@ -148,8 +157,12 @@ class Variant:
 BF16 = torch.bfloat16
 VARIANTS = (
     Variant("fp32 bucketed", None, ModuleSource, torch.float32),
+    Variant("fp32 bucketed, rank 1 builds tensors", None, NonSendersBuildTensorsSource, torch.float32),
     Variant("fp32 per-parameter", None, PerParameterGatherSource, torch.float32),
     Variant("bf16 bucketed", "bfloat16", partial(ModuleSource, dtype=BF16), BF16),
+    Variant(
+        "bf16 bucketed, rank 1 builds tensors", "bfloat16", partial(NonSendersBuildTensorsSource, dtype=BF16), BF16
+    ),
     Variant("bf16 per-parameter", "bfloat16", partial(PerParameterGatherSource, dtype=BF16), BF16),
     Variant("bf16 gather-then-cast", "bfloat16", partial(GatherThenCastSource, dtype=BF16), torch.float32),
 )
@@ -230,7 +243,8 @@ def visit(variant: Variant, model: torch.nn.Module, rank: int, args: RankArgs, m
                 (stats,) = drive_rounds(engine, rank, 1, variant.name)
                 dist.barrier()
                 start = time.perf_counter()
-                for _ in engine.source:
+                # As in a round: rank 0 produces the tensors, rank 1 only joins the gathers.
+                for _ in engine.source.iter_uncast() if rank == 0 else engine.source.gather_only():
                     pass
                 pass_s = time.perf_counter() - start
         finally:
@@ -440,7 +454,9 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"bf16 {q['gather_per_parameter_over_bucketed']['bf16']:.2f}x (round "
         f"{q['round_per_parameter_over_bucketed']['fp32']:.2f}x, {q['round_per_parameter_over_bucketed']['bf16']:.2f}x); "
         f"gather-then-cast / cast-before-gather (bucketed): round {q['round_gather_then_cast_over_cast_before_gather']:.2f}x, "
-        f"gather {q['gather_gather_then_cast_over_cast_before_gather']:.2f}x",
+        f"gather {q['gather_gather_then_cast_over_cast_before_gather']:.2f}x; "
+        f"rank 1 building the tensors / only gathering: round {q['round_rank1_builds_tensors_over_gather_only']['fp32']:.2f}x "
+        f"(fp32), {q['round_rank1_builds_tensors_over_gather_only']['bf16']:.2f}x (bf16)",
     ]
     return "\n".join(lines)
 
@@ -523,6 +539,10 @@ def main(argv: list[str] | None = None) -> int:
             },
             "round_per_parameter_over_bucketed": {
                 w: ratio(rows, "median_s", f"{w} per-parameter", f"{w} bucketed") for w in ("fp32", "bf16")
+            },
+            "round_rank1_builds_tensors_over_gather_only": {
+                w: ratio(rows, "median_s", f"{w} bucketed, rank 1 builds tensors", f"{w} bucketed")
+                for w in ("fp32", "bf16")
             },
             "round_gather_then_cast_over_cast_before_gather": ratio(
                 rows, "median_s", "bf16 gather-then-cast", "bf16 bucketed"

@@ -20,12 +20,14 @@ def test_fsdp2_gather_smoke(tmp_path):
     result = json.loads(out.read_text())
     rows = {row["name"]: row for row in result["rows"]}
     assert set(rows) == {
-        "fp32 bucketed", "fp32 per-parameter", "bf16 bucketed", "bf16 per-parameter", "bf16 gather-then-cast",
+        "fp32 bucketed", "fp32 bucketed, rank 1 builds tensors", "fp32 per-parameter", "bf16 bucketed",
+        "bf16 bucketed, rank 1 builds tensors", "bf16 per-parameter", "bf16 gather-then-cast",
     }
     assert all(row["checksum"]["passed"] for row in rows.values())
     # The baselines kept their own iteration: the engine did not swap in a ModuleSource.
     assert rows["bf16 gather-then-cast"]["source"] == "GatherThenCastSource"
     assert rows["bf16 per-parameter"]["source"] == "PerParameterGatherSource"
+    assert rows["bf16 bucketed, rank 1 builds tensors"]["source"] == "NonSendersBuildTensorsSource"
     assert rows["bf16 bucketed"]["bytes"] == rows["bf16 gather-then-cast"]["bytes"] == rows["bf16 per-parameter"]["bytes"]
     assert rows["fp32 bucketed"]["bytes"] == 2 * rows["bf16 bucketed"]["bytes"]
     assert set(result["raw_all_gather"]) == {"float32 bucketed", "float32 per-tensor", "bfloat16 bucketed", "bfloat16 per-tensor"}

@@ -1,6 +1,7 @@
 """FSDP2 parameters gathered a bucket at a time are exactly ``full_tensor()``.
 
-Two spawned gloo ranks; odd row counts make shards uneven, and a one-row
+Two spawned gloo ranks, rank 1 only joining the gathers (``gather_only``,
+what a rank that does not send runs); odd row counts make shards uneven, and a one-row
 tensor leaves rank 1 no rows. Parameters sharded by ``fully_shard``, plus ``distribute_tensor``
 placements the bucketed gather leaves to ``full_tensor()`` (``Shard(1)``,
 ``Replicate``, a 2-D mesh) and a plain parameter beside them; small buckets
@@ -16,6 +17,7 @@ import datetime
 import itertools
 import os
 import tempfile
+from functools import partial
 
 import pytest
 import torch
@@ -61,14 +63,20 @@ def _sharded_placements(rank: int, world: int) -> dict:
     names = [m.name for m in FSDP2Shards(model).parameters()]
     results = {}
     for dtype, bucket in itertools.product((None, torch.bfloat16), (200, 4096, None)):
+        # Rank 0 gathers the tensors; the others only join the gathers, as
+        # ranks that do not send do: any collective they skipped or added
+        # would hang the pass or garble rank 0's tensors.
         if bucket is None:  # the default bucket, through the public source
             source = ModuleSource(model, dtype=dtype)
-            rounds = [lambda source=source: list(source) for _ in range(2)]
+            run = (lambda source=source: list(source)) if rank == 0 else source.gather_only
         else:
             gather = FSDP2Shards(model, bucket_bytes=bucket)
-            rounds = [lambda gather=gather, dtype=dtype: list(gather.gather(names, dtype)) for _ in range(2)]
-        for round_, run in enumerate(rounds):  # the second round reuses the scratch buffers
-            got = run()
+            run = partial(gather.gather if rank == 0 else gather.gather_only, names, dtype)
+        for round_ in range(2):  # the second round reuses the scratch buffers
+            got = list(run())
+            if rank != 0:
+                assert got == names, "gather_only must yield every name, in the order of parameters()"
+                continue
             assert [n for n, _ in got] == names, "order must follow parameters()"
             for name, tensor in got:
                 want = expected[name]

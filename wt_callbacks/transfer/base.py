@@ -203,6 +203,21 @@ class WeightSource(ABC):
         """
         return iter(self)
 
+    def gather_only(self) -> Iterator[str]:
+        """One pass as a trainer rank that does not send runs it.
+
+        Such a rank iterates only so that the gathers (collectives) of the
+        pass happen on every rank, in the same order; it drops the tensors.
+        This runs those same collectives and yields each tensor's name once
+        its gathers are done, but need not produce the full tensors: a
+        source that gathers can skip building them (their allocation and
+        the copies into them), which on a host whose cores the ranks share
+        is time the sending rank waits for at its next collective. A
+        partly consumed pass must still be iterated to the end (``drain``).
+        The default iterates and drops the tensors.
+        """
+        return (name for name, _ in self.iter_uncast())
+
     def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightSource:
         """This source, yielding (and describing) tensors in ``dtype``.
 
@@ -301,6 +316,9 @@ class _CastSource(WeightSource):
 
     def iter_uncast(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._inner.iter_uncast()
+
+    def gather_only(self) -> Iterator[str]:
+        return self._inner.gather_only()
 
 
 # --------------------------------------------------------------------------- #

@@ -198,27 +198,38 @@ class FSDP2Shards(ParameterGather):
         return [ParamMeta(name, p.dtype, tuple(p.shape)) for name, p in self.module.named_parameters()]
 
     def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._pass(names, dtype, keep=True)  # type: ignore[return-value]
+
+    def gather_only(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[str]:
+        """The same all-gathers, into the scratch buffers only: no full
+        tensor is allocated and nothing is cut out of a gathered bucket."""
+        return (name for name, _ in self._pass(names, dtype, keep=False))
+
+    def _pass(
+        self, names: Sequence[str], dtype: torch.dtype | None, *, keep: bool
+    ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``gather``'s pass; with ``keep`` false the buckets' tensors are yielded as ``None``."""
         self._resharded()
         posted: _Posted | None = None
         parity = 0
         try:
             for item in self._plan(names, dtype):
                 if isinstance(item, _Bucket):
-                    newer = self._post(item, parity)
+                    newer = self._post(item, parity, keep)
                     parity ^= 1
                     if posted is not None:
-                        yield from self._unpack(posted)
+                        yield from self._unpack(posted, keep)
                     posted = newer
                     continue
                 if posted is not None:
-                    yield from self._unpack(posted)
+                    yield from self._unpack(posted, keep)
                     posted = None
                 name, tensor = item
                 tensor = _wire(tensor, dtype)
                 full_tensor = getattr(tensor, "full_tensor", None)
                 yield name, tensor if full_tensor is None else full_tensor()
             if posted is not None:
-                yield from self._unpack(posted)
+                yield from self._unpack(posted, keep)
                 posted = None
         finally:
             # Abandoned mid-round: the collective still writes into a scratch
@@ -277,19 +288,23 @@ class FSDP2Shards(ParameterGather):
             buf = self._scratch[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf[:nbytes]
 
-    def _post(self, bucket: _Bucket, parity: int) -> _Posted:
+    def _post(self, bucket: _Bucket, parity: int, keep: bool) -> _Posted:
         """Cast and copy this rank's rows into its part, then start the all-gather.
 
         A bucket that is one whole evenly sharded tensor is gathered straight
         into the full tensor's storage (all-gather's rank-major output is the
         tensor's row order), from the local shard itself when it needs no
-        cast: no copies around the collective.
+        cast: no copies around the collective. Without ``keep`` every bucket
+        is gathered into a scratch buffer.
         """
         piece = bucket.pieces[0]
         p = piece.param
         if len(bucket.pieces) == 1 and piece.first == 0 and piece.last and p.rows_per_rank * p.world == p.shape[0]:
-            p.full = torch.empty(p.shape, dtype=p.dtype, device=bucket.device)
-            out = p.full.view(-1).view(torch.uint8)
+            if keep:
+                p.full = torch.empty(p.shape, dtype=p.dtype, device=bucket.device)
+                out = p.full.view(-1).view(torch.uint8)
+            else:
+                out = self._buffer("out", parity, bucket.device, p.shape[0] * p.row_bytes)
             with torch.no_grad():
                 if p.local.dtype == p.dtype and p.local.is_contiguous():
                     part = p.local.view(-1).view(torch.uint8)
@@ -308,10 +323,16 @@ class FSDP2Shards(ParameterGather):
         out = self._buffer("out", parity, bucket.device, bucket.part_bytes * bucket.world)
         return _Posted(bucket, out, _all_gather(out, part, group=bucket.group, async_op=True))
 
-    def _unpack(self, posted: _Posted) -> Iterator[tuple[str, torch.Tensor]]:
-        """Wait for the all-gather, copy every rank's rows into the full tensors, yield the complete ones."""
+    def _unpack(self, posted: _Posted, keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Wait for the all-gather, copy every rank's rows into the full tensors, yield the complete ones
+        (without ``keep``: their names, with ``None``)."""
         posted.work.wait()
         bucket = posted.bucket
+        if not keep:
+            for piece in bucket.pieces:
+                if piece.last:
+                    yield piece.param.name, None
+            return
         if posted.direct:
             p = bucket.pieces[0].param
             full, p.full = p.full, None

@@ -54,6 +54,13 @@ class ParameterGather(ABC):
         collective: every rank iterates it to the end with the same arguments.
         A yielded tensor stays valid and unchanged until the round ends."""
 
+    def gather_only(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[str]:
+        """The collectives of ``gather(names, dtype)``, in the same order, for
+        a rank that drops the tensors: yields each name once its gathers are
+        done. Gatherers that copy or allocate to produce a full tensor skip
+        that here; the default iterates ``gather``."""
+        return (name for name, _ in self.gather(names, dtype))
+
 
 def _wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:

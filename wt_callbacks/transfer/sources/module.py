@@ -153,7 +153,19 @@ class ModuleSource(WeightSource):
         """
         if type(self).__iter__ is not ModuleSource.__iter__:
             return iter(self)
-        return self._sent(self._dtype if self._gather.communicates else None)
+        return self._sent(self._gather_dtype())
+
+    def gather_only(self) -> Iterator[str]:
+        """The gathers of ``iter_uncast()``'s pass, each gatherer skipping what
+        only a sender needs (the full tensors, the checkpoint-format
+        conversions, the buffers); a subclass that overrides ``__iter__``
+        is iterated."""
+        if type(self).__iter__ is not ModuleSource.__iter__:
+            return super().gather_only()
+        return self._gather.gather_only(self._plan().gather_names, self._gather_dtype())
+
+    def _gather_dtype(self) -> torch.dtype | None:
+        return self._dtype if self._gather.communicates else None
 
     def _sent(self, gather_dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         plan = self._plan()

@@ -74,12 +74,24 @@ class Zero3Groups(ParameterGather):
         return groups
 
     def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._pass(names, dtype, keep=True)  # type: ignore[return-value]
+
+    def gather_only(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[str]:
+        """The same groups gathered, nothing copied out of them."""
+        return (name for name, _ in self._pass(names, dtype, keep=False))
+
+    def _pass(
+        self, names: Sequence[str], dtype: torch.dtype | None, *, keep: bool
+    ) -> Iterator[tuple[str, torch.Tensor | None]]:
         import deepspeed
 
         for group in self.groups(names):
             params = [self._params[name] for name in group]
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 for name, param in zip(group, params):
+                    if not keep:
+                        yield name, None
+                        continue
                     full = param.detach()
                     sent = _wire(full, dtype)
                     # A copy either way: the context frees the gathered data on exit.

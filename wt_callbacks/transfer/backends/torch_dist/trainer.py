@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -39,23 +39,24 @@ from wt_callbacks.transfer.clients import group_world_size
 from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, slot_capacities
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STALE_UPDATE = "already active"
 """What vLLM (and the reference receiver) answer a start while an update is open."""
 
 
-class _TimedIterator:
+class _TimedIterator(Generic[T]):
     """Iterates a source, timing the time spent producing tensors (the gathers)."""
 
-    def __init__(self, source: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, source: Iterable[T]) -> None:
         self._it = iter(source)
         self.seconds = 0.0
         self.count = 0
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[T]:
         return self
 
-    def __next__(self) -> tuple[str, torch.Tensor]:
+    def __next__(self) -> T:
         t0 = time.perf_counter()
         try:
             item = next(self._it)
@@ -254,8 +255,8 @@ class TorchDistTrainerWeightTransferEngine(
         # Every rank checks the same metadata, so all raise before any gather.
         check_names_unique((m.name for m in metas), key="the weight source's metadata()")
         # The packing casts whole tensors into the wire dtype as it copies
-        # them; the ranks that do not send only iterate for the gathers.
-        items = _TimedIterator(self.source.iter_uncast())
+        # them; the ranks that do not send only run the gathers.
+        items = _TimedIterator(self.source.iter_uncast() if self.is_sender else self.source.gather_only())
         sent = 0
         try:
             if self.is_sender:
@@ -269,7 +270,10 @@ class TorchDistTrainerWeightTransferEngine(
             raise
         finally:
             self.last_stats = TransferStats(
-                bytes=sent, tensors=items.count, seconds=time.perf_counter() - start, gather_seconds=items.seconds
+                bytes=sent,
+                tensors=items.count if self.is_sender else len(metas),
+                seconds=time.perf_counter() - start,
+                gather_seconds=items.seconds,
             )
 
     def _send_round(self, items: _TimedIterator, metas: list[ParamMeta], weight_version: str | None) -> int:
