@@ -17,6 +17,10 @@ all-gathers; rank 0 also packs and sends. Sources, in one run:
 * ``bucketed``: ``ModuleSource``, the library's way: the local shards of a
   bucket of parameters are cast (bf16 wire) and packed into one buffer and
   gathered by one ``all_gather_into_tensor`` (``FSDP2Shards``).
+* ``bucketed, rank 1 builds tensors``: the baseline
+  ``NonSendersBuildTensorsSource``: the same, but rank 1 builds every full
+  tensor and drops it (before ``WeightSource.gather_only``, a rank that
+  does not send iterated the sender's pass).
 * ``per-parameter``: the baseline ``PerParameterGatherSource``: each local
   shard cast, then ``DTensor.full_tensor()`` (what ``ModuleSource`` did
   before).
@@ -34,8 +38,9 @@ Each source has its own seeded, sharded model (a seed each, so a passing
 checksum proves that source's weights travelled). ``--rounds`` cycles each
 visit every source in turn: ``trainer_init`` on both ranks, one warm-up and
 one timed ``send_weights`` round, both ranks starting each round together
-(rank 0 decides), then one timed pass over the source alone (both ranks
-iterate it, nothing is sent: the gather phase by itself); each cycle ends
+(rank 0 decides), then one timed pass over the source alone (rank 0
+iterates it, rank 1 joins its gathers as in a round, nothing is sent: the
+gather phase by itself); each cycle ends
 with the raw all-gathers. Interleaving makes a change in load on a shared
 machine hit all of them alike. After the last cycle's round of a source,
 its checksums are checked. Columns: median/min round seconds and median
