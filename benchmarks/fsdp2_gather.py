@@ -95,6 +95,7 @@ from wt_callbacks.demos.synthetic_llama import (
 from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
+    WeightSource,
     WeightTransferTrainerFactory,
     materialize_full_tensor,
 )
@@ -142,7 +143,7 @@ class NonSendersBuildTensorsSource(ModuleSource):
     send iterated the whole source)."""
 
     def gather_only(self) -> Iterator[str]:
-        return (name for name, _ in self.iter_uncast())
+        return WeightSource.gather_only(self)  # the default: iterate and drop, skipping ModuleSource's
 
 
 @dataclass(frozen=True)
