@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -111,17 +110,12 @@ def test_released_vllm_call_form_names_the_backend_in_the_init_info():
         engine.shutdown()
         assert served.core.version_history == ["step-1", "step-2"]
         assert module_checksums(served_model) == module_checksums(trainer_model)
-    # Every engine's config and init info fields are disjoint: a flat key has one home.
-    for backend in WeightTransferTrainerFactory.available():
-        engine_cls = WeightTransferTrainerFactory.engine_class(backend)
-        config_keys = {f.name for f in dataclasses.fields(engine_cls.config_cls)}
-        assert not config_keys & {f.name for f in dataclasses.fields(engine_cls.init_info_cls)}, backend
     source = ModuleSource(trainer_model)
     with pytest.raises(ValueError, match=r"a dict init info must name its backend, e.g. \{'backend': 'torch_dist'"):
         WeightTransferTrainerFactory.trainer_init(LOCAL, client=client, source=source)
     with pytest.raises(ValueError, match=r"unknown key 'master_adress'; did you mean 'master_address'\? \(accepted keys: \['all_or_nothing', 'dtype', 'master_address'"):
         WeightTransferTrainerFactory.trainer_init({"backend": "torch_dist", "master_adress": "x"}, client=client, source=source)
-    with pytest.raises(TypeError, match=r"init_info of type object names no backend"):
+    with pytest.raises(ValueError, match=r"init_info of type object names no backend"):
         WeightTransferTrainerFactory.trainer_init(object(), client=client, source=source)
     with pytest.raises(TypeError, match=r"trainer_init\(\) is missing \['init_info'\]"):
         WeightTransferTrainerFactory.trainer_init("torch_dist", {}, client=client, source=source)

@@ -195,8 +195,7 @@ class SyncConfig:
         # The backend's own parsers check the nested sections now, so a typo
         # there fails at setup like a typo at the top level.
         engine_cls = WeightTransferTrainerFactory.engine_class(self.backend)
-        engine_cls.parse_config(self.backend_config())
-        engine_cls.parse_init_info(self.init_info_for(rank=0))
+        engine_cls.parse_settings(self.backend_config(), self.init_info_for(rank=0))
 
     @property
     def trigger(self) -> tuple[str, float]:

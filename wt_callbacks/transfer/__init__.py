@@ -1,12 +1,17 @@
 """The weight-transfer system: vLLM's trainer/worker API, implemented without vLLM.
 
-Public names match ``vllm.distributed.weight_transfer`` so code written for
-vLLM's API runs unchanged, and the wire dicts match vLLM's so a vLLM server
-(with our plugin) is a drop-in receiver.
+Public names and module paths match ``vllm.distributed.weight_transfer``
+(``base``, ``clients``, ``factory``, ``nccl_engine``, ``ipc_engine``), so code
+written for vLLM's API runs after replacing that package prefix with
+``wt_callbacks.transfer``; the wire dicts match vLLM's so a vLLM server (with
+our plugin) is a drop-in receiver.
 """
 
 from wt_callbacks.transfer.base import (
     ParamMeta,
+    Replicate,
+    Shard,
+    TrainerInitInfo,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
@@ -33,6 +38,9 @@ __all__ = [
     "ModuleSource",
     "ParamMeta",
     "RayVLLMWeightSyncClient",
+    "Replicate",
+    "Shard",
+    "TrainerInitInfo",
     "TrainerWeightTransferEngine",
     "VLLMWeightSyncClient",
     "WeightSource",

@@ -1,31 +1,100 @@
 """Core types of the weight-transfer system.
 
 The public names and contracts follow vLLM's ``vllm.distributed.weight_transfer``
-trainer/worker API, so code written against vLLM's API runs against ours and
-our wire dicts are the ones a vLLM server understands. Nothing here imports
-vLLM: training environments rarely can install it (it pins torch exactly).
+trainer/worker API (module ``base`` there too), so code written against vLLM's
+API runs against ours and our wire dicts are the ones a vLLM server
+understands. Nothing here imports vLLM: training environments rarely can
+install it (it pins torch exactly).
+
+The weight sources (``ParamMeta``, ``WeightSource``, ...) live in
+``weight_source`` and the typed settings (``TrainerInitInfo``,
+``parse_dataclass``) in ``infos``; they are importable from here, where vLLM
+defines them. ``ModuleSource`` too: vLLM defines it in ``base``, ours lives in
+``sources`` (it needs the gatherers, which import this module), so it is
+looked up on first use.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 import logging
 import threading
-import types
-import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from wt_callbacks.transfer.infos import (
+    TrainerInitInfo,
+    fields_of,
+    parse_dataclass,
+    released_config,
+    resolve_settings,
+)
+from wt_callbacks.transfer.weight_source import (
+    Metadata,
+    ParamMeta,
+    Placement,
+    Replicate,
+    Shard,
+    WeightSource,
+    drain,
+    materialize_full_tensor,
+    source_metadata,
+)
+
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    from wt_callbacks.transfer.sources import ModuleSource
+
+__all__ = [
+    "CLEANUP_TIMEOUT_S",
+    "Metadata",
+    "ModuleSource",
+    "ParamMeta",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "TrainerInitInfo",
+    "TrainerWeightTransferEngine",
+    "TransferStats",
+    "VLLMWeightSyncClient",
+    "WeightSource",
+    "WeightTransferConfig",
+    "WeightTransferEngine",
+    "WeightTransferError",
+    "WeightTransferInitInfo",
+    "WeightTransferInitRequest",
+    "WeightTransferUpdateInfo",
+    "WeightTransferUpdatePayload",
+    "WeightTransferUpdateRequest",
+    "best_effort",
+    "bounded",
+    "drain",
+    "dtype_from_name",
+    "dtype_name",
+    "fields_of",
+    "finish_with_version",
+    "in_daemon_thread",
+    "materialize_full_tensor",
+    "parse_dataclass",
+    "source_metadata",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ModuleSource":
+        from wt_callbacks.transfer.sources import ModuleSource
+
+        return ModuleSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 logger = logging.getLogger(__name__)
 
@@ -59,189 +128,6 @@ def dtype_from_name(name: str, *, key: str = "dtype") -> torch.dtype:
             + (f"; did you mean {hint[0]!r}?" if hint else f"; use one of {known}")
         )
     return value
-
-
-# --------------------------------------------------------------------------- #
-# Typed config / info parsing (dataclass from dict, with errors naming the key)
-# --------------------------------------------------------------------------- #
-
-TInfo = TypeVar("TInfo")
-
-
-def _type_ok(value: Any, annotation: Any) -> bool:
-    """Shallow runtime check for the scalar field types our infos use."""
-    if annotation is Any:
-        return True
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, arg) for arg in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is str:
-        return isinstance(value, str)
-    if origin in (list, tuple) or annotation in (list, tuple):
-        return isinstance(value, (list, tuple))
-    if origin is dict or annotation is dict:
-        return isinstance(value, Mapping)
-    return True
-
-
-def parse_dataclass(cls: type[TInfo], value: TInfo | Mapping[str, Any], *, what: str) -> TInfo:
-    """Build dataclass ``cls`` from an instance of it or from a plain mapping.
-
-    Config files and JSON bodies arrive as dicts; engines want typed infos.
-    Unknown keys (with a did-you-mean), missing required keys and values of the
-    wrong type raise ``ValueError`` naming the key, so the person editing the
-    YAML knows what to change. ``__post_init__`` checks run as usual.
-    """
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{what} must be a {cls.__name__} or a dict, got {type(value).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
-    hints = typing.get_type_hints(cls)
-    for key in value:
-        if key not in fields:
-            hint = difflib.get_close_matches(str(key), list(fields), n=1)
-            raise ValueError(
-                f"{what}: unknown key {key!r}"
-                + (f"; did you mean {hint[0]!r}?" if hint else "")
-                + f" (accepted keys: {sorted(fields)})"
-            )
-    for name, f in fields.items():
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if required and name not in value:
-            raise ValueError(f"{what}: missing required key {name!r}")
-        if name in value and not _type_ok(value[name], hints.get(name, Any)):
-            raise ValueError(
-                f"{what}: key {name!r} must be of type {hints.get(name)}, "
-                f"got {type(value[name]).__name__} {value[name]!r}"
-            )
-    try:
-        return cls(**dict(value))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{what}: {e}") from e
-
-
-# --------------------------------------------------------------------------- #
-# Weight sources (trainer side)
-# --------------------------------------------------------------------------- #
-
-
-def materialize_full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """Return the full (unsharded) tensor.
-
-    An FSDP2 ``DTensor`` is all-gathered through ``full_tensor()``, which is a
-    collective: every rank of the mesh must call it, in the same order. Other
-    tensors pass through unchanged.
-    """
-    full_tensor = getattr(tensor, "full_tensor", None)
-    if callable(full_tensor):
-        return full_tensor()
-    return tensor
-
-
-@dataclass(frozen=True)
-class ParamMeta:
-    """Name / wire dtype / full (checkpoint) shape for one output parameter."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * self.dtype.itemsize
-
-
-class WeightSource(ABC):
-    """A re-iterable source of the trainer's weights, handed to a trainer engine.
-
-    Two channels:
-
-    * ``metadata()``: ``(name, wire dtype, full shape)`` for every parameter,
-      without transferring anything. Receivers size their buffers and the
-      packed chunk boundaries from it, so it must agree with iteration element
-      for element (same names, order, dtypes, shapes); engines check this and
-      name the first disagreement.
-    * iteration: yields fully materialized ``(name, tensor)`` pairs, one at a
-      time. Materializing is typically a collective (FSDP ``full_tensor()``),
-      so every trainer rank must iterate the same source in the same order in
-      lockstep, or ranks deadlock. ``iter(source)`` yields a fresh pass each
-      round. A yielded tensor must stay valid and unchanged until the round
-      ends: a transport may read it after the next ones were yielded (the
-      shared-memory ring streams chunks straight from them), so a source
-      must not refill one scratch buffer for several tensors.
-    """
-
-    @abstractmethod
-    def metadata(self) -> list[ParamMeta]:
-        raise NotImplementedError
-
-    @abstractmethod
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        raise NotImplementedError
-
-    def iter_uncast(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Iteration for a consumer that casts as it copies (the packed transports).
-
-        The same pairs as iteration, except that a floating-point tensor may
-        come in another floating-point dtype than its ``metadata()`` dtype;
-        the consumer converts it to the metadata (wire) dtype in the copy it
-        makes anyway, instead of the source making a converted temporary.
-        Sources that gather still cast before the gather (half the gathered
-        bytes for a bf16 wire). The default is plain iteration.
-        """
-        return iter(self)
-
-    def gather_only(self) -> Iterator[str]:
-        """One pass as a trainer rank that does not send runs it.
-
-        Such a rank iterates only so that the gathers (collectives) of the
-        pass happen on every rank, in the same order; it drops the tensors.
-        This runs those same collectives and yields each tensor's name once
-        its gathers are done, but need not produce the full tensors: a
-        source that gathers can skip building them (their allocation and
-        the copies into them), which on a host whose cores the ranks share
-        is time the sending rank waits for at its next collective. A
-        partly consumed pass must still be iterated to the end (``drain``).
-        The default iterates and drops the tensors.
-        """
-        return (name for name, _ in self.iter_uncast())
-
-    def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightSource:
-        """This source, yielding (and describing) tensors in ``dtype``.
-
-        The default casts after materializing. Sources that can cast before an
-        FSDP gather (``ModuleSource``) override it: casting first halves the
-        all-gather bytes and the gathered memory for a bf16 wire.
-        """
-        if dtype is None:
-            return self
-        return _CastSource(self, dtype)
-
-
-def drain(items: Iterable[Any]) -> None:
-    """Finish iterating a source after a failed round.
-
-    The other trainer ranks are still in the same pass, each tensor an FSDP
-    gather they expect this rank to join; stopping here would deadlock them.
-    Errors are logged, never raised: the round already failed.
-    """
-    try:
-        for _ in items:
-            pass
-    except Exception:  # noqa: BLE001 - already failing; never mask the first error
-        logger.warning("draining the weight source after a failed round failed", exc_info=True)
 
 
 CLEANUP_TIMEOUT_S = 10.0
@@ -297,28 +183,6 @@ def best_effort(fn: Callable[[], Any], what: str, *, within_s: float) -> Excepti
     except Exception as e:  # noqa: BLE001 - reported to the caller, whose own error matters more
         return e
     return None
-
-
-class _CastSource(WeightSource):
-    def __init__(self, inner: WeightSource, dtype: torch.dtype) -> None:
-        self._inner = inner
-        self._dtype = dtype
-
-    def metadata(self) -> list[ParamMeta]:
-        return [
-            ParamMeta(m.name, self._dtype if m.dtype.is_floating_point else m.dtype, m.shape)
-            for m in self._inner.metadata()
-        ]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self._inner:
-            yield name, tensor.to(self._dtype) if tensor.is_floating_point() else tensor
-
-    def iter_uncast(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._inner.iter_uncast()
-
-    def gather_only(self) -> Iterator[str]:
-        return self._inner.gather_only()
 
 
 # --------------------------------------------------------------------------- #
@@ -377,9 +241,10 @@ class VLLMWeightSyncClient(Protocol):
     All methods are synchronous and take plain dicts. Concurrency some
     backends need (``update_weights`` must run while the trainer broadcasts)
     is the engine's job, so any wrapper can implement this flat surface.
-    ``finish_weight_update`` may take the round's ``weight_version`` (vLLM
-    0.32 does); engines pass it only when a version is set, so a client whose
-    ``finish_weight_update()`` takes no argument still conforms.
+    ``finish_weight_update`` takes the round's ``weight_version`` (as in
+    vLLM 0.32 and 0.33); engines pass it only when a version is set, so a
+    client whose ``finish_weight_update()`` takes no argument (the seed's)
+    still conforms.
 
     Structural (PEP 544): define the methods, no import or subclassing needed.
     """
@@ -390,7 +255,7 @@ class VLLMWeightSyncClient(Protocol):
 
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None: ...
 
-    def finish_weight_update(self) -> None: ...
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
 def finish_with_version(client: VLLMWeightSyncClient, weight_version: str | None) -> None:
@@ -432,12 +297,13 @@ class TransferStats:
     seconds: float = 0.0
     gather_seconds: float = 0.0
 
-TConfig = TypeVar("TConfig")
+
 TInitInfo = TypeVar("TInitInfo")
 TUpdateInfo = TypeVar("TUpdateInfo")
+TTrainerInitInfo = TypeVar("TTrainerInitInfo", bound=TrainerInitInfo)
 
 
-class TrainerWeightTransferEngine(ABC, Generic[TConfig, TInitInfo]):
+class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
     """Trainer-side weight transfer engine.
 
     Symmetric to ``WeightTransferEngine`` but lives in the training process.
@@ -452,50 +318,92 @@ class TrainerWeightTransferEngine(ABC, Generic[TConfig, TInitInfo]):
     gathers in it are collectives that every rank must join, but they never
     call the client: only the sender touches the wire.
 
-    Subclasses define ``init_info_cls`` and ``config_cls``; ``trainer_init``
-    accepts instances of them or plain dicts (validated the same way).
+    Two ways to write one; ``WeightTransferTrainerFactory.register_engine``
+    takes both and tells them apart by ``trainer_init``'s parameters:
+
+    * as released vLLM documents it: ``init_info_cls`` (a ``TrainerInitInfo``
+      subclass carrying the rendezvous and the wire fields), the constructor
+      ``(*, client, source=None, is_sender=True, rank=0)``, the classmethod
+      ``trainer_init(init_info, *, client, source=None)`` and ``send_weights()``;
+    * as this project's engines are written: a ``config_cls`` too (settings
+      beyond vLLM's fields: wire dtype, timeouts, transport), the classmethod
+      ``trainer_init(config, init_info, *, client, source)`` (each an
+      instance or a plain dict; ``config=None`` is released vLLM's form, the
+      init info alone) and ``send_weights(weight_version=None)``, which tags
+      the round with the version the servers report.
     """
 
-    init_info_cls: type[TInitInfo]
-    config_cls: type[TConfig]
+    init_info_cls: type[TTrainerInitInfo]
+    config_cls: ClassVar[type | None] = None
 
     def __init__(
         self,
-        config: TConfig,
+        config: Any = None,
         *,
         client: VLLMWeightSyncClient,
-        source: WeightSource,
+        source: WeightSource | None = None,
         is_sender: bool = True,
+        rank: int = 0,
     ) -> None:
         self.config = config
         self.is_sender = is_sender
+        self.rank = rank
         # Every rank holds the client, only the sender calls it.
         self.client = client
         self.source = source
         self.last_stats = TransferStats()
 
     @classmethod
-    def parse_config(cls, config: TConfig | Mapping[str, Any]) -> TConfig:
-        return parse_dataclass(cls.config_cls, config, what=f"config for {cls.__name__}")
+    def takes_config(cls) -> bool:
+        """Whether ``trainer_init`` takes a config (this project's form) or
+        the init info alone (released vLLM's)."""
+        return "config" in inspect.signature(cls.trainer_init).parameters
 
     @classmethod
-    def parse_init_info(cls, init_info: TInitInfo | Mapping[str, Any]) -> TInitInfo:
+    def parse_config(cls, config: Any | Mapping[str, Any] | None) -> Any:
+        """The typed config; ``None`` for an engine without ``config_cls``,
+        which refuses any setting given as config (they belong in its init info)."""
+        if cls.config_cls is None:
+            if config is None or (isinstance(config, Mapping) and not config):
+                return None
+            raise ValueError(
+                f"{cls.__name__} takes no config: give its settings in the init info "
+                f"({cls.init_info_cls.__name__}), got config {config!r}"
+            )
+        return parse_dataclass(cls.config_cls, {} if config is None else config, what=f"config for {cls.__name__}")
+
+    @classmethod
+    def parse_init_info(cls, init_info: Any) -> TTrainerInitInfo:
+        """The typed init info, from an instance of ``init_info_cls``, a dict,
+        or another init info object of the same backend (vLLM's own class,
+        read field by field)."""
+        if not isinstance(init_info, (cls.init_info_cls, Mapping)):
+            init_info = fields_of(init_info)
         return parse_dataclass(cls.init_info_cls, init_info, what=f"init_info for {cls.__name__}")
 
     @classmethod
+    def parse_settings(cls, config: Any, init_info: Any) -> tuple[Any, TTrainerInitInfo]:
+        """``(config, init_info)``, typed, each wire field holding one value
+        (``infos.resolve_settings``). ``config=None``: released vLLM's form,
+        the init info alone, its wire values (vLLM's defaults included) in force."""
+        info = cls.parse_init_info(init_info)
+        if cls.config_cls is None:
+            return cls.parse_config(config), info
+        if config is None:
+            config = released_config(cls.config_cls, info)
+        return resolve_settings(cls.parse_config(config), info)
+
+    @classmethod
     @abstractmethod
-    def trainer_init(
-        cls,
-        config: TConfig | Mapping[str, Any],
-        init_info: TInitInfo | Mapping[str, Any],
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource,
-    ) -> Self:
-        """Rendezvous with the inference side and return a ready instance.
+    def trainer_init(cls, *args: Any, client: VLLMWeightSyncClient, source: WeightSource | None = None, **kwargs: Any) -> Self:
+        """Rendezvous with the inference side and return a ready instance:
+        ``(init_info, *, client, source=None)`` or ``(config, init_info, *,
+        client, source)``, as the class docstring says.
 
         Called on every trainer rank. The sender drives the handshake through
-        ``client``; non-sender ranks skip the rendezvous and the RPC.
+        ``client``; non-sender ranks skip the rendezvous and the RPC. Settings
+        the backend cannot honour are refused here, naming the field, before
+        any server is called.
         """
         raise NotImplementedError
 
@@ -509,6 +417,34 @@ class TrainerWeightTransferEngine(ABC, Generic[TConfig, TInitInfo]):
 
     def shutdown(self) -> None:
         """Tear down process groups / communicators. Default no-op."""
+
+
+def check_sender_owns_all(metas: list[ParamMeta], backend: str) -> None:
+    """Refuse a source whose metadata leaves a tensor to ranks other than 0.
+
+    One rank sends every tensor here (the broadcast's root), and it iterates
+    only the tensors it owns (vLLM 0.33's ``ParamMeta.owners``): a tensor it
+    does not own would never reach the servers. Every rank reads the same
+    metadata, so every rank raises alike, before any gather.
+    """
+    for m in metas:
+        if not m.owned_by(0):
+            raise ValueError(
+                f"{m.name!r} is owned by trainer ranks {list(m.owners or ())}, but backend {backend!r} "
+                "sends every tensor from rank 0: rank 0 must own every tensor (owners None, or including 0)"
+            )
+
+
+def check_full_tensors(source: WeightSource, backend: str) -> None:
+    """Refuse a source that yields no full tensors (vLLM 0.33's ``iter_local``
+    alone): the engines here send whole tensors and derive nothing from pieces."""
+    if not isinstance(source, WeightSource):
+        raise ValueError(f"source must be a WeightSource (e.g. ModuleSource(model)), got {type(source).__name__}")
+    if not source.implements_iter_full():
+        raise TypeError(
+            f"backend {backend!r} sends full tensors, but {type(source).__name__} implements neither "
+            "iter_full() nor __iter__"
+        )
 
 
 # --------------------------------------------------------------------------- #

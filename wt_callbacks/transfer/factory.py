@@ -24,6 +24,7 @@ from wt_callbacks.transfer.base import (
     WeightTransferConfig,
     WeightTransferEngine,
 )
+from wt_callbacks.transfer.infos import fields_of, released_config
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class WeightTransferTrainerFactory:
     @classmethod
     def trainer_init(
         cls,
-        init_info: Any | Mapping[str, Any],
+        init_info: Any,
         *,
         client: VLLMWeightSyncClient,
         source: WeightSource | None = None,
@@ -138,7 +139,7 @@ class WeightTransferTrainerFactory:
     def trainer_init(
         cls,
         backend: str,
-        config: Any | Mapping[str, Any],
+        config: Any | Mapping[str, Any] | None,
         init_info: Any | Mapping[str, Any],
         *,
         client: VLLMWeightSyncClient,
@@ -154,29 +155,45 @@ class WeightTransferTrainerFactory:
         Two call forms, told apart by the first argument (a backend name is a
         ``str``, an init info never is):
 
-        * released vLLM's ``trainer_init(init_info, *, client, source)``: the
-          init info names its backend, as an instance of a dataclass with a
-          ``backend`` class attribute (vLLM's ``NCCLTrainerInitInfo`` and
-          ``IPCTrainerInitInfo``) or as a dict with a ``"backend"`` key. Its
-          other fields are the backend's rendezvous and wire settings together
-          (``{"backend": "torch_dist", "master_address": ..., "master_port":
-          ..., "rank": 0, "packed": True}``).
-        * the seed's ``trainer_init(backend, config, init_info, *, client, source)``.
+        * released vLLM's ``trainer_init(init_info, *, client, source=None)``:
+          the init info names its backend through its class-level ``backend``
+          (a ``TrainerInitInfo`` subclass: this project's, vLLM's own, or any
+          object with a ``backend`` attribute) or a ``"backend"`` key (a
+          dict). It carries the rendezvous and the wire fields; a dict may
+          add this project's settings beyond vLLM's (``dtype``, ``timeout_s``,
+          ...): ``{"backend": "torch_dist", "master_address": ...,
+          "master_port": 0, "rank": 0, "packed": True}``.
+        * the seed's ``trainer_init(backend, config, init_info, *, client, source)``,
+          each a dataclass or a plain dict (from a YAML file).
+
+        Engines of both forms are served, however registered: one written as
+        released vLLM documents it (no config, ``trainer_init(init_info, *,
+        client, source)``) gets its init info as given, or built from a dict;
+        one of this project's form (``config_cls``, ``trainer_init(config,
+        init_info, ...)``) gets the two split out of the released form.
 
         Called on every trainer rank; the sender is trainer rank 0, read from
-        the init info's ``rank``. Configs and init infos may be the backend's
-        dataclasses or plain dicts (from a YAML file), validated the same way.
+        the init info's ``rank``.
 
         Raises:
-            ValueError: unknown backend (the message lists the registered
-                ones), or a bad/missing/unknown key.
+            ValueError: unknown backend (``Invalid weight transfer backend``,
+                listing the registered ones) for any init info, a bad, missing
+                or unknown key, or a setting the backend cannot honour, named
+                before any server is called.
             TypeError: arguments that fit neither form.
         """
-        backend, config, init_info = _bind_call_form(args, kwargs)
+        backend, config, init_info, released = _bind_call_form(args, kwargs)
         engine_cls = cls.engine_class(backend)
-        if config is None:
-            config, init_info = _split_flat_init_info(engine_cls, init_info)
         logger.info("Creating weight transfer trainer engine: %s", engine_cls.__name__)
+        if not engine_cls.takes_config():
+            # Released vLLM's engine contract: the init info is everything.
+            if not released:
+                engine_cls.parse_config(config)  # refuses settings it would drop
+            if isinstance(init_info, Mapping):
+                init_info = engine_cls.parse_init_info({k: v for k, v in init_info.items() if k != "backend"})
+            return engine_cls.trainer_init(init_info=init_info, client=client, source=source)
+        if released:
+            config, init_info = _split_flat_init_info(engine_cls, init_info)
         return engine_cls.trainer_init(config, init_info, client=client, source=source)
 
 
@@ -186,9 +203,9 @@ _CALL_FORMS = (
 )
 
 
-def _bind_call_form(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any, Any]:
-    """``(backend, config, init_info)`` of either call form; ``config`` is
-    ``None`` for the released form, whose init info carries everything."""
+def _bind_call_form(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any, Any, bool]:
+    """``(backend, config, init_info, released)`` of either call form; the
+    released form has no config (``None``): its init info carries everything."""
     unknown = set(kwargs) - {"backend", "config", "init_info"}
     if unknown:
         raise TypeError(f"trainer_init() got unexpected keyword arguments {sorted(unknown)}; use {_CALL_FORMS}")
@@ -201,44 +218,38 @@ def _bind_call_form(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str,
     if missing:
         raise TypeError(f"trainer_init() is missing {missing}; use {_CALL_FORMS}")
     if seed_form:
-        return bound["backend"], bound["config"], bound["init_info"]
+        return bound["backend"], bound["config"], bound["init_info"], False
     info = bound["init_info"]
-    if isinstance(info, Mapping):
-        if not isinstance(info.get("backend"), str):
-            raise ValueError(
-                "init_info: a dict init info must name its backend, e.g. {'backend': 'torch_dist', ...}; "
-                f"got keys {sorted(info)}"
-            )
-        return info["backend"], None, {k: v for k, v in info.items() if k != "backend"}
-    backend = getattr(type(info), "backend", None)
-    if not dataclasses.is_dataclass(info) or not isinstance(backend, str):
-        raise TypeError(
-            f"init_info of type {type(info).__name__} names no backend: pass a dataclass with a class "
-            f"attribute backend (vLLM's TrainerInitInfo subclasses) or a dict with a 'backend' key, "
-            f"or use {_CALL_FORMS}"
-        )
-    return backend, None, {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+    backend = info.get("backend") if isinstance(info, Mapping) else getattr(info, "backend", None)
+    if not isinstance(backend, str):
+        kind = "a dict init info must name its backend, e.g. {'backend': 'torch_dist', ...}" if isinstance(
+            info, Mapping
+        ) else f"init_info of type {type(info).__name__} names no backend: give it a class-level backend (a TrainerInitInfo subclass)"
+        raise ValueError(f"init_info: {kind}; or use {_CALL_FORMS}")
+    return backend, None, info, True
 
 
-def _split_flat_init_info(engine_cls: type, fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A released-form init info (rendezvous and wire settings in one, as
-    vLLM's) split by field name into the engine's ``(config, init_info)``.
-    Each built-in engine's two field sets are disjoint, so every key has one home."""
+def _split_flat_init_info(engine_cls: type[TrainerWeightTransferEngine], info: Any) -> tuple[Any, Any]:
+    """Released vLLM's form for an engine of this project's: ``(config,
+    init_info)`` out of one init info. Its own fields make the init info;
+    the config gets the rest of a dict's keys (this project's settings) and
+    the init info's wire fields, vLLM's defaults included
+    (``infos.released_config``)."""
+    fields = fields_of(info)
+    init_keys = {f.name for f in dataclasses.fields(engine_cls.init_info_cls) if f.init}
     config_keys = {f.name for f in dataclasses.fields(engine_cls.config_cls)} - {"backend"}
-    info_keys = {f.name for f in dataclasses.fields(engine_cls.init_info_cls)}
-    accepted = sorted(config_keys | info_keys)
+    accepted = sorted(config_keys | init_keys)
     for key in fields:
-        if key not in config_keys | info_keys:
+        if key not in accepted:
             hint = difflib.get_close_matches(str(key), accepted, n=1)
             raise ValueError(
                 f"init_info for {engine_cls.__name__}: unknown key {key!r}"
                 + (f"; did you mean {hint[0]!r}?" if hint else "")
                 + f" (accepted keys: {accepted})"
             )
-    return (
-        {k: v for k, v in fields.items() if k in config_keys},
-        {k: v for k, v in fields.items() if k in info_keys},
-    )
+    init_info = engine_cls.parse_init_info({k: v for k, v in fields.items() if k in init_keys})
+    extras = {k: v for k, v in fields.items() if k not in init_keys}
+    return released_config(engine_cls.config_cls, init_info, extras), init_info
 
 
 # Built-in backends. Registered by module path: nothing is imported until used.

@@ -41,6 +41,19 @@ def check_positive(key: str, value: Any, *, integer: bool = False, zero_means: s
         )
 
 
+def check_wire_fields(info: Any) -> None:
+    """The packing fields of vLLM's trainer init infos, on any config or init
+    info that has them: ``packed`` a bool, the buffer size and count positive
+    integers. ``None`` (a config leaving the value to the init info) passes."""
+    packed = getattr(info, "packed", None)
+    if packed is not None and not isinstance(packed, bool):
+        raise ValueError(f"packed={packed!r} must be True or False")
+    for key in ("packed_buffer_size_bytes", "packed_num_buffers"):
+        value = getattr(info, key, None)
+        if value is not None:
+            check_positive(key, value, integer=True)
+
+
 def parse_wire_dtype(name: str, *, key: str = "dtype") -> torch.dtype:
     """The floating-point dtype named ``name``, the only kind a wire dtype may be
     (integer parameters always travel in their own dtype)."""

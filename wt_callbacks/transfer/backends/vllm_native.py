@@ -30,62 +30,80 @@ from typing import Any, ClassVar
 import torch
 
 from wt_callbacks.transfer.base import (
+    TrainerInitInfo,
     TrainerWeightTransferEngine,
     TransferStats,
     VLLMWeightSyncClient,
     WeightSource,
     WeightTransferConfig,
-    WeightTransferInitInfo,
+    check_full_tensors,
+    check_sender_owns_all,
     drain,
     dtype_from_name,
+    dtype_name,
+    source_metadata,
 )
 from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient, group_world_size
-from wt_callbacks.transfer.validation import check_positive, parse_wire_dtype
-
-VLLM_DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3
-VLLM_DEFAULT_PACKED_NUM_BUFFERS = 2
+from wt_callbacks.transfer.infos import VLLM_PACKED_BUFFER_SIZE_BYTES, VLLM_PACKED_NUM_BUFFERS
+from wt_callbacks.transfer.validation import check_wire_fields, parse_wire_dtype
 
 
 @dataclass
 class VLLMNativeTrainerConfig(WeightTransferConfig):
-    """Settings of the ``nccl`` / ``ipc`` trainer engines (vLLM's own defaults)."""
+    """Settings of the ``nccl`` / ``ipc`` trainer engines (vLLM's own defaults).
+
+    The packing fields are the init infos' too, where vLLM keeps them; a
+    value set in one is used (set in both, differently, refused at
+    ``trainer_init``).
+    """
 
     backend: str = "nccl"
     packed: bool | None = None
-    """``None``: vLLM's default for the backend (``nccl`` packed, ``ipc`` not)."""
-    packed_buffer_size_bytes: int = VLLM_DEFAULT_PACKED_BUFFER_SIZE_BYTES
-    packed_num_buffers: int = VLLM_DEFAULT_PACKED_NUM_BUFFERS
+    """``None``: the init info's (vLLM's default: ``nccl`` packed, ``ipc`` not)."""
+    packed_buffer_size_bytes: int = VLLM_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = VLLM_PACKED_NUM_BUFFERS
     dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("nccl", "ipc"):
             raise ValueError(f"backend must be 'nccl' or 'ipc' for this config, got {self.backend!r}")
-        if self.packed is None:
-            self.packed = self.backend == "nccl"
-        for key in ("packed_buffer_size_bytes", "packed_num_buffers"):
-            check_positive(key, getattr(self, key), integer=True)
+        check_wire_fields(self)
         if self.dtype is not None:
             parse_wire_dtype(self.dtype)
 
 
 @dataclass
-class NCCLTrainerInitInfo(WeightTransferInitInfo):
-    """Rendezvous of ``nccl``: as vLLM's, with ``world_size`` optional
-    (1 + the servers' world size, asked from the client)."""
+class NCCLTrainerInitInfo(TrainerInitInfo):
+    """vLLM's ``NCCLTrainerInitInfo``: the same fields, positions and defaults,
+    with ``world_size`` optional (1 + the servers' world size, asked from the
+    client). The packing fields go to the workers at init, as in vLLM."""
 
-    backend: ClassVar[str] = "nccl"  # the released trainer_init(init_info, ...) form dispatches on it
+    backend: ClassVar[str] = "nccl"  # the factory dispatches on it
     master_address: str
     master_port: int
-    rank: int
     world_size: int | None = None
+    packed: bool = True
+    packed_buffer_size_bytes: int = VLLM_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = VLLM_PACKED_NUM_BUFFERS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_wire_fields(self)
 
 
 @dataclass
-class IPCTrainerInitInfo(WeightTransferInitInfo):
-    """``ipc`` needs no rendezvous: the trainer and the server share the GPUs."""
+class IPCTrainerInitInfo(TrainerInitInfo):
+    """vLLM's ``IPCTrainerInitInfo``: no rendezvous (the trainer and the
+    server share the GPUs); unpacked by default, and one shared buffer of
+    ``packed_buffer_size_bytes`` when packed."""
 
     backend: ClassVar[str] = "ipc"
-    rank: int
+    packed: bool = False
+    packed_buffer_size_bytes: int = VLLM_PACKED_BUFFER_SIZE_BYTES
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_wire_fields(self)
 
 
 def _import_vllm(backend: str, module: str) -> Any:
@@ -151,12 +169,12 @@ def _as_vllm_source(source: _Passes, base: Any, release: str) -> Any:
     0.32: ``metadata()`` is a method and the engines iterate the source.
     0.33: ``metadata`` must be a ``functools.cached_property`` (checked when
     the subclass is defined) and the engines read ``iter_full()``. ``owners``
-    stay unset: every rank takes part in every gather, so each rank owns
-    every name, as both 0.33 engines require.
+    stay unset: ``trainer_init`` checked the ownership these engines need
+    (``_check_source``), and vLLM's checks of it then agree.
     """
 
     def metadata() -> list[Any]:
-        return [base.ParamMeta(m.name, m.dtype, m.shape) for m in source.source.metadata()]
+        return [base.ParamMeta(m.name, m.dtype, m.shape) for m in source_metadata(source.source)]
 
     if release == "0.32":
 
@@ -180,7 +198,7 @@ def _as_vllm_source(source: _Passes, base: Any, release: str) -> Any:
     return Source033()
 
 
-class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConfig, Any]):
+class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[Any]):
     """Wraps one of vLLM's trainer engines; see the module docstring."""
 
     config_cls = VLLMNativeTrainerConfig
@@ -191,36 +209,56 @@ class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConf
 
     def __init__(
         self, config: VLLMNativeTrainerConfig, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool,
-        inner: Any, passes: _Passes,
+        rank: int, inner: Any, passes: _Passes,
     ) -> None:  # fmt: skip
-        super().__init__(config, client=client, source=source, is_sender=is_sender)
+        super().__init__(config, client=client, source=source, is_sender=is_sender, rank=rank)
         self.inner = inner
         self._passes = passes
 
     @classmethod
     def trainer_init(
         cls,
-        config: VLLMNativeTrainerConfig | Mapping[str, Any],
-        init_info: Any,
+        config: VLLMNativeTrainerConfig | Mapping[str, Any] | None = None,
+        init_info: Any = None,
         *,
         client: VLLMWeightSyncClient,
-        source: WeightSource,
+        source: WeightSource | None = None,
     ) -> _VLLMNativeTrainerEngine:
-        config = cls.parse_config({"backend": cls.backend, **config} if isinstance(config, Mapping) else config)
-        init_info = cls.parse_init_info(init_info)
+        """``(config, init_info)`` or, as released vLLM calls an engine,
+        ``(init_info=...)`` alone; vLLM's own init info class is taken too.
+        Settings the backend cannot honour are refused before vLLM is imported
+        or a server called."""
+        if init_info is None:
+            raise TypeError(f"trainer_init() needs an init_info (a {cls.init_info_cls.__name__} or a dict)")
+        config, init_info = cls.parse_settings(config, init_info)
+        check_full_tensors(source, cls.backend)
+        wire_source = source.with_wire_dtype(None if config.dtype is None else dtype_from_name(config.dtype))
+        cls._check_source(config, init_info, source_metadata(wire_source))
         cls._check_client(client)
         module = _import_vllm(cls.backend, cls.vllm_module)
         base = _import_vllm(cls.backend, "vllm.distributed.weight_transfer.base")
         release = _vllm_release(cls.backend)
-        if not isinstance(source, WeightSource):
-            raise ValueError(f"source must be a WeightSource (e.g. ModuleSource(model)), got {type(source).__name__}")
-        wire_source = source.with_wire_dtype(None if config.dtype is None else dtype_from_name(config.dtype))
         vllm_info = getattr(module, cls.vllm_init_info)(**cls._vllm_init_kwargs(config, init_info, client))
         passes = _Passes(wire_source)
         inner = getattr(module, cls.vllm_engine).trainer_init(
             vllm_info, client=client, source=_as_vllm_source(passes, base, release)
         )
-        return cls(config, client=client, source=wire_source, is_sender=init_info.rank == 0, inner=inner, passes=passes)
+        return cls(
+            config, client=client, source=wire_source, is_sender=init_info.is_sender, rank=init_info.rank,
+            inner=inner, passes=passes,
+        )  # fmt: skip
+
+    @classmethod
+    def parse_config(cls, config: Any) -> VLLMNativeTrainerConfig:
+        # One config class serves both backends: a dict names this one.
+        if config is None or isinstance(config, Mapping):
+            config = {"backend": cls.backend, **(config or {})}
+        return super().parse_config(config)
+
+    @classmethod
+    def _check_source(cls, config: VLLMNativeTrainerConfig, init_info: Any, metas: list[Any]) -> None:
+        """Refuse a source vLLM's engine would fail on mid-round."""
+        check_sender_owns_all(metas, cls.backend)
 
     @classmethod
     def _vllm_init_kwargs(cls, config: VLLMNativeTrainerConfig, init_info: Any, client: Any) -> dict[str, Any]:
@@ -245,7 +283,7 @@ class _VLLMNativeTrainerEngine(TrainerWeightTransferEngine[VLLMNativeTrainerConf
         update_version = getattr(self.client, "update_weight_version", None)
         if self.is_sender and weight_version is not None and callable(update_version):
             update_version(weight_version)
-        metas = self.source.metadata()
+        metas = source_metadata(self.source)
         self.last_stats = TransferStats(
             bytes=sum(m.nbytes for m in metas) if self.is_sender else 0,
             tensors=len(metas),
@@ -289,6 +327,33 @@ class IPCTrainerWeightTransferEngine(_VLLMNativeTrainerEngine):
     vllm_module = "vllm.distributed.weight_transfer.ipc_engine"
     vllm_engine = "IPCTrainerWeightTransferEngine"
     vllm_init_info = "IPCTrainerInitInfo"
+
+    @classmethod
+    def _check_source(cls, config: VLLMNativeTrainerConfig, init_info: IPCTrainerInitInfo, metas: list[Any]) -> None:
+        """What vLLM's IPC engine cannot honour, refused before it starts a
+        round: a tensor this rank does not own (every rank exports its own
+        copies to its colocated worker), more than one pack buffer (it
+        shares exactly one), and, packed, a tensor larger than that buffer
+        (vLLM raises at that tensor, mid-round, the servers' update begun)."""
+        for m in metas:
+            if not m.owned_by(init_info.rank):
+                raise ValueError(
+                    f"{m.name!r} is owned by trainer ranks {list(m.owners or ())}, but backend 'ipc' needs every "
+                    f"trainer rank to own every tensor (this is rank {init_info.rank})"
+                )
+        if config.packed_num_buffers != VLLM_PACKED_NUM_BUFFERS:
+            raise ValueError(
+                f"packed_num_buffers={config.packed_num_buffers}: backend 'ipc' packs into one shared buffer "
+                "and has no packed_num_buffers; remove it"
+            )
+        if config.packed and metas:
+            largest = max(metas, key=lambda m: m.nbytes)
+            if largest.nbytes > config.packed_buffer_size_bytes:
+                raise ValueError(
+                    f"packed_buffer_size_bytes={config.packed_buffer_size_bytes} is below the largest tensor, "
+                    f"{largest.name!r} ({largest.nbytes} bytes in {dtype_name(largest.dtype)}): backend 'ipc' packs "
+                    f"into one buffer of that size; raise it to at least {largest.nbytes}, or set packed=False"
+                )
 
     @classmethod
     def _check_client(cls, client: Any) -> None:

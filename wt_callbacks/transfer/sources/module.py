@@ -30,7 +30,7 @@ from fnmatch import fnmatchcase
 import torch
 
 from wt_callbacks.naming import checkpoint_name, find_submodule
-from wt_callbacks.transfer.base import ParamMeta, WeightSource
+from wt_callbacks.transfer.base import Metadata, ParamMeta, WeightSource
 from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout, ConversionGroup
 from wt_callbacks.transfer.sources.gathering import ParameterGather, _wire, gather_for, persistent_buffers
 from wt_callbacks.transfer.sources.schemes import sharding_scheme
@@ -136,31 +136,50 @@ class ModuleSource(WeightSource):
         cast._plan_cache = None
         return cast
 
-    def metadata(self) -> list[ParamMeta]:
-        return self._plan().metadata
+    @property
+    def metadata(self) -> Metadata:  # type: ignore[override]
+        """Every sent tensor, owned by every rank (each joins every gather):
+        a list (vLLM 0.33's ``source.metadata``) that answers a call too
+        (0.32's ``source.metadata()``). Rebuilt only when the parameters change."""
+        return Metadata(self._plan().metadata)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if type(self).iter_full is not ModuleSource.iter_full:
+            return self.iter_full()
         return self._sent(self._dtype)
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if type(self).__iter__ is not ModuleSource.__iter__:
+            return iter(self)
+        return self._sent(self._dtype)
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank owns every tensor whole (the metadata names no owners
+        or placements), so this rank's piece of each is the full tensor."""
+        return self.iter_full()
+
+    def _iteration_overridden(self) -> bool:
+        """A subclass that overrides ``__iter__`` (vLLM 0.32's way) or
+        ``iter_full`` (0.33's) is iterated as it says: its own iteration is
+        what it means to send."""
+        return type(self).__iter__ is not ModuleSource.__iter__ or type(self).iter_full is not ModuleSource.iter_full
 
     def iter_uncast(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Cast before a gather that communicates; whole parameters go as they
         are, for the transport to cast as it copies them (the checkpoint-format
         conversions only move values, so converting before or after the cast
-        sends the same bytes).
-
-        A subclass that overrides ``__iter__`` is iterated as it says: its
-        own iteration is what it means to send.
-        """
-        if type(self).__iter__ is not ModuleSource.__iter__:
+        sends the same bytes). A subclass's own iteration is used as it is
+        (``_iteration_overridden``)."""
+        if self._iteration_overridden():
             return iter(self)
         return self._sent(self._gather_dtype())
 
     def gather_only(self) -> Iterator[str]:
         """The gathers of ``iter_uncast()``'s pass, each gatherer skipping what
         only a sender needs (the full tensors, the checkpoint-format
-        conversions, the buffers); a subclass that overrides ``__iter__``
-        is iterated."""
-        if type(self).__iter__ is not ModuleSource.__iter__:
+        conversions, the buffers); a subclass with its own iteration is
+        iterated."""
+        if self._iteration_overridden():
             return super().gather_only()
         return self._gather.gather_only(self._plan().gather_names, self._gather_dtype())
 

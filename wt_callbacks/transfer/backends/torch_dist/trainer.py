@@ -15,6 +15,7 @@ from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, is_lo
 from wt_callbacks.transfer.backends.torch_dist.session import new_session_id, session_proof
 from wt_callbacks.transfer.backends.torch_dist.waits import raise_if_failed, wait_for_work
 from wt_callbacks.transfer.backends.torch_dist.wire import (
+    BACKEND,
     TorchDistTrainerConfig,
     TorchDistTrainerInitInfo,
     check_names_unique,
@@ -30,10 +31,13 @@ from wt_callbacks.transfer.base import (
     WeightTransferError,
     best_effort,
     bounded,
+    check_full_tensors,
+    check_sender_owns_all,
     drain,
     dtype_name,
     finish_with_version,
     in_daemon_thread,
+    source_metadata,
 )
 from wt_callbacks.transfer.clients import group_world_size
 from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, slot_capacities
@@ -98,9 +102,7 @@ def _checked(items: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMeta]) 
         )
 
 
-class TorchDistTrainerWeightTransferEngine(
-    TrainerWeightTransferEngine[TorchDistTrainerConfig, TorchDistTrainerInitInfo]
-):
+class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDistTrainerInitInfo]):
     """Trainer engine of ``torch_dist``; see the package docstring.
 
     ``send_weights`` on the sender: ``start_weight_update``, then
@@ -122,8 +124,11 @@ class TorchDistTrainerWeightTransferEngine(
         client: VLLMWeightSyncClient,
         source: WeightSource,
         is_sender: bool = True,
+        rank: int = 0,
     ) -> None:
-        super().__init__(config, client=client, source=source.with_wire_dtype(config.wire_dtype), is_sender=is_sender)
+        super().__init__(
+            config, client=client, source=source.with_wire_dtype(config.wire_dtype), is_sender=is_sender, rank=rank
+        )
         self.group: TransferGroup | None = None
         self.worker_init_info: dict[str, Any] | None = None
         self.session_id: str | None = None
@@ -133,22 +138,26 @@ class TorchDistTrainerWeightTransferEngine(
     @classmethod
     def trainer_init(
         cls,
-        config: TorchDistTrainerConfig | Mapping[str, Any],
-        init_info: TorchDistTrainerInitInfo | Mapping[str, Any],
+        config: TorchDistTrainerConfig | Mapping[str, Any] | None = None,
+        init_info: TorchDistTrainerInitInfo | Mapping[str, Any] | None = None,
         *,
         client: VLLMWeightSyncClient,
-        source: WeightSource,
+        source: WeightSource | None = None,
     ) -> TorchDistTrainerWeightTransferEngine:
-        config = cls.parse_config(config)
-        init_info = cls.parse_init_info(init_info)
-        if not isinstance(source, WeightSource):
-            raise ValueError(f"source must be a WeightSource (e.g. ModuleSource(model)), got {type(source).__name__}")
+        """``(config, init_info)`` or, as released vLLM calls an engine,
+        ``(init_info=...)`` alone (its packing fields and vLLM's defaults in
+        force). Everything is checked before the servers are called."""
+        if init_info is None:
+            raise TypeError("trainer_init() needs an init_info (a TorchDistTrainerInitInfo or a dict)")
+        config, init_info = cls.parse_settings(config, init_info)
+        check_full_tensors(source, BACKEND)
+        check_sender_owns_all(source_metadata(source), BACKEND)
         if not isinstance(client, VLLMWeightSyncClient):
             raise ValueError(
                 f"client {type(client).__name__} does not implement VLLMWeightSyncClient "
                 "(init_weight_transfer_engine, start_weight_update, update_weights, finish_weight_update)"
             )
-        engine = cls(config, client=client, source=source, is_sender=init_info.is_sender)
+        engine = cls(config, client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
         if engine.is_sender:
             engine._rendezvous(init_info)
         return engine
@@ -251,7 +260,7 @@ class TorchDistTrainerWeightTransferEngine(
                 "create a new engine with trainer_init"
             )
         start = time.perf_counter()
-        metas = self.source.metadata()
+        metas = source_metadata(self.source)
         # Every rank checks the same metadata, so all raise before any gather.
         check_names_unique((m.name for m in metas), key="the weight source's metadata()")
         # The packing casts whole tensors into the wire dtype as it copies

@@ -20,23 +20,25 @@ import torch
 
 from wt_callbacks.transfer.base import (
     ParamMeta,
+    TrainerInitInfo,
     WeightTransferConfig,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
     dtype_from_name,
     dtype_name,
 )
-from wt_callbacks.transfer.validation import check_positive, parse_wire_dtype
+from wt_callbacks.transfer.infos import VLLM_PACKED_BUFFER_SIZE_BYTES, VLLM_PACKED_NUM_BUFFERS
+from wt_callbacks.transfer.validation import check_positive, check_wire_fields, parse_wire_dtype
 
 BACKEND = "torch_dist"
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 64 * 1024 * 1024
-"""Trainer default: 64 MiB chunks. Smaller chunks pipeline better (the receiver
-loads chunk k while chunk k+1 is on the wire) and bound memory lower; on this
-CPU box 64 MiB was as fast as 256 MiB to the reference receiver and faster
-into vLLM (see benchmarks/)."""
-WORKER_DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3
-"""vLLM's worker-side default, kept for wire compatibility."""
-DEFAULT_PACKED_NUM_BUFFERS = 2
+"""The backend config's default: 64 MiB chunks. Smaller chunks pipeline better
+(the receiver loads chunk k while chunk k+1 is on the wire) and bound memory
+lower; on this CPU box 64 MiB was as fast as 256 MiB to the reference
+receiver and faster into vLLM (see benchmarks/). The init info keeps vLLM's
+1 GiB default, in force when the init info alone is given (released vLLM's
+``trainer_init(init_info, ...)``)."""
+DEFAULT_PACKED_NUM_BUFFERS = VLLM_PACKED_NUM_BUFFERS
 DEFAULT_TIMEOUT_S = 300.0
 TRANSPORTS = ("auto", "gloo", "nccl", "shm")
 WORKER_TRANSPORTS = ("gloo", "nccl", "shm")
@@ -48,10 +50,17 @@ MAX_WORLD_SIZE = 2**31 - 1
 class TorchDistTrainerConfig(WeightTransferConfig):
     """Trainer-side settings of the ``torch_dist`` backend.
 
+    ``packed``, ``packed_buffer_size_bytes`` and ``packed_num_buffers`` are
+    also fields of ``TorchDistTrainerInitInfo``, where released vLLM keeps
+    them; a value set in one is used (set in both, differently, refused at
+    ``trainer_init``; in neither, the defaults here).
+
     Attributes:
         packed: broadcast many tensors per collective (recommended); ``False``
             sends one collective per tensor.
-        packed_buffer_size_bytes: target chunk size.
+        packed_buffer_size_bytes: target chunk size: a chunk closes after the
+            tensor that reaches it, so a tensor larger than it travels as a
+            chunk of its own (as in vLLM's packed broadcast).
         packed_num_buffers: buffers rotated while packing (2 = pack the next
             chunk while the previous one is on the wire).
         dtype: wire dtype name for floating-point parameters (``"bfloat16"``);
@@ -97,8 +106,7 @@ class TorchDistTrainerConfig(WeightTransferConfig):
     def __post_init__(self) -> None:
         if self.backend != BACKEND:
             raise ValueError(f"backend must be {BACKEND!r} for this config, got {self.backend!r}")
-        check_positive("packed_buffer_size_bytes", self.packed_buffer_size_bytes, integer=True)
-        check_positive("packed_num_buffers", self.packed_num_buffers, integer=True)
+        check_wire_fields(self)
         check_positive("timeout_s", self.timeout_s)
         if self.dtype is not None:
             parse_wire_dtype(self.dtype)
@@ -111,37 +119,44 @@ class TorchDistTrainerConfig(WeightTransferConfig):
 
 
 @dataclass
-class TorchDistTrainerInitInfo(WeightTransferInitInfo):
-    """Trainer-side rendezvous info.
+class TorchDistTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side init info of ``torch_dist``: the shape of vLLM's
+    ``NCCLTrainerInitInfo`` (the same fields, positions, defaults and wire
+    meaning), so code written for it runs with this class in its place.
 
     Attributes:
         master_address: address the trainer (rank 0) listens on and the
             workers connect to; it must be reachable from the servers.
         master_port: port for the rendezvous store; ``0`` picks a free one.
-        rank: this process's trainer rank; rank 0 is the sender.
         world_size: 1 + all inference workers; when omitted, the sender asks
             the client (``get_world_size()``) and adds 1.
+        packed: broadcast packed chunks (vLLM's default) or one tensor per
+            collective; sent to the workers, which unpack the same way.
+        packed_buffer_size_bytes: the chunk size both sides cut the stream
+            at (vLLM's default: 1 GiB).
+        packed_num_buffers: buffers rotated on both sides (vLLM's default: 2).
+        rank: keyword-only, this process's trainer rank; rank 0 is the sender.
+
+    The packing fields are the backend config's too (``TorchDistTrainerConfig``).
     """
 
-    backend: ClassVar[str] = "torch_dist"  # the released trainer_init(init_info, ...) form dispatches on it
+    backend: ClassVar[str] = BACKEND  # the factory dispatches on it
     master_address: str
     master_port: int
-    rank: int
     world_size: int | None = None
+    packed: bool = True
+    packed_buffer_size_bytes: int = VLLM_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = VLLM_PACKED_NUM_BUFFERS
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 <= self.master_port <= 65535:
             raise ValueError(f"master_port must be in 0..65535, got {self.master_port}")
-        if self.rank < 0:
-            raise ValueError(f"rank must be >= 0, got {self.rank}")
         if self.world_size is not None and self.world_size < 2:
             raise ValueError(
                 f"world_size must be >= 2 (the trainer plus at least one worker), got {self.world_size}"
             )
-
-    @property
-    def is_sender(self) -> bool:
-        return self.rank == 0
+        check_wire_fields(self)
 
 
 @dataclass(kw_only=True)
@@ -164,8 +179,8 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     packed: bool = False
-    packed_buffer_size_bytes: int = WORKER_DEFAULT_PACKED_BUFFER_SIZE_BYTES
-    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    packed_buffer_size_bytes: int = VLLM_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = VLLM_PACKED_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
     transport: str = "gloo"
     session_id: str | None = None
