@@ -32,6 +32,8 @@ import copy
 import os
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -41,6 +43,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import REPO_ROOT
 from tests.support.vllm import SharedVLLMServer, bf16_rounded, running_server
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.vllm_server import (
@@ -191,6 +194,46 @@ def test_weight_info_shows_pushed_version(server: VLLMServer, trainer_model) -> 
         assert client.weight_info() == [{"weight_version": "step-41"}]
         engine.send_weights("step-42")
         assert client.weight_info() == [{"weight_version": "step-42"}]
+
+
+VLLM_STYLE_EXAMPLE = REPO_ROOT / "examples" / "vllm_rl_http.py"
+VLLM_STYLE_IMPORTS = [
+    "from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory",
+    "from wt_callbacks.transfer.backends.torch_dist import TorchDistTrainerInitInfo as TrainerInitInfo",
+]
+"""The example's only lines of this project's: in its vLLM version they import
+``vllm.distributed.weight_transfer`` and its ``nccl_engine.NCCLTrainerInitInfo``."""
+
+
+def test_vllm_style_rl_example_syncs_every_round(server: VLLMServer, model_dir, prompts, tmp_path) -> None:
+    """examples/vllm_rl_http.py, written against vLLM's trainer API as its RL
+    HTTP example uses it (init info with packed=True, ``trainer_init(init_info,
+    client=, source=)``, ``send_weights()``, a version per round), runs as a
+    user runs it against the real server; what it trained is what vLLM serves."""
+    assert [line for line in VLLM_STYLE_EXAMPLE.read_text().splitlines() if "wt_callbacks" in line] == VLLM_STYLE_IMPORTS
+    saved = tmp_path / "trained"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_API_KEY": server.api_key or ""}
+    proc = subprocess.run(
+        [
+            sys.executable, str(VLLM_STYLE_EXAMPLE), "--model", str(model_dir), "--base-url", server.url,
+            "--rounds", "2", "--prompt", "a b c d |", "--save", str(saved),
+        ],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=ROUND_TIMEOUT_S, api_key=server.api_key)
+    try:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert "round-1: loss" in proc.stdout and "round-2: loss" in proc.stdout, proc.stdout
+        assert client.weight_info() == [{"weight_version": "round-2"}]
+    finally:
+        client.shutdown_weight_transfer_engine()
+        client.close()
+    from transformers import LlamaForCausalLM
+
+    trained = LlamaForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    served_before = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert max_logprob_diff(server, served_before, prompts) > 100 * FP32_ATOL, "the rounds did not change the weights"
+    assert max_logprob_diff(server, trained, prompts) <= FP32_ATOL
 
 
 def test_pause_keep_round_with_concurrent_completions(server: VLLMServer, trainer_model, tokenizer, prompts) -> None:
