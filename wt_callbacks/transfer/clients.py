@@ -394,6 +394,9 @@ class RayVLLMWeightSyncClient:
         ]
         self._get(refs, "init_weight_transfer_engine")
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._get([h.shutdown_weight_transfer_engine.remote() for h in self.handles], "shutdown_weight_transfer_engine")
+
     def start_weight_update(self) -> None:
         self._get([h.start_weight_update.remote() for h in self.handles], "start_weight_update")
 
