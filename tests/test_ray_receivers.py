@@ -131,6 +131,7 @@ def test_fsdp2_trainer_whose_ranks_are_ray_actors(ray_cluster):
             assert ray.get(receiver.weight_checksums.remote(), timeout=60)["checksums"] == trainer_sums[0], version
             assert ray.get(receiver.weight_info.remote(), timeout=60)["weight_version"] == version
         ray.get([r.shutdown.remote() for r in ranks], timeout=60)
+        RayVLLMWeightSyncClient(receiver, timeout=60).shutdown_weight_transfer_engine()  # vLLM's client has it too
     finally:
         for actor in [*ranks, receiver]:
             ray.kill(actor)
