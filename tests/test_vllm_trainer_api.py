@@ -479,7 +479,7 @@ def test_an_engine_written_as_vllm_documents_it_registers_and_runs(custom_engine
         assert client.calls == [
             ("init", {"address": "10.0.0.7", "packed": True}), ("start", None), ("update", {"names": names}), ("finish", None)
         ]  # fmt: skip
-    # This project's call form reaches it too (the callbacks' weight_sync section), without a config.
+    # This project's call form reaches it too, with no config.
     client = RecordingClient()
     engine = WeightTransferTrainerFactory.trainer_init("echo-test", {}, {"address": "a", "rank": 1}, client=client, source=source)
     engine.send_weights()
