@@ -504,6 +504,34 @@ def test_an_engine_of_the_seed_form_takes_both_call_forms(custom_engines):
     ]  # fmt: skip
 
 
+def test_a_worker_engine_written_for_released_vllm_is_built():
+    """vLLM 0.32's worker base has no ``trainer_send_weights``: an engine
+    written for it (the methods it declares abstract, no more) is built here."""
+    from wt_callbacks.receiver import _host_config
+    from wt_callbacks.transfer import WeightTransferConfig, WeightTransferEngine, WeightTransferEngineFactory
+
+    class PlainWorkerEngine(WeightTransferEngine):
+        init_info_cls = dict
+        update_info_cls = dict
+
+        def init_transfer_engine(self, init_info): ...
+        def start_weight_update(self): ...
+        def finish_weight_update(self): ...
+        def receive_weights(self, update_info): ...
+        def shutdown(self): ...
+
+    WeightTransferEngineFactory.register_engine("plain-worker-test", PlainWorkerEngine)
+    try:
+        engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig("plain-worker-test"), _host_config(), torch.device("cpu"), torch.nn.Linear(2, 2)
+        )
+        assert isinstance(engine, PlainWorkerEngine)
+        with pytest.raises(NotImplementedError, match="has no trainer_send_weights"):
+            engine.trainer_send_weights(iter(()), {})
+    finally:
+        WeightTransferEngineFactory._registry.pop("plain-worker-test")
+
+
 @pytest.mark.parametrize(
     "init_info",
     [

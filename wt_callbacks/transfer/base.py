@@ -548,8 +548,12 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         raise NotImplementedError
 
     @staticmethod
-    @abstractmethod
     def trainer_send_weights(iterator: Iterator[Any], trainer_args: dict[str, Any] | Any) -> None:
-        """Older call style: send ``iterator``'s items from the trainer with
-        backend-specific ``trainer_args`` (e.g. the process group)."""
-        raise NotImplementedError
+        """The seed's call style: send ``iterator``'s items from the trainer
+        with backend-specific ``trainer_args`` (e.g. the process group). Not
+        abstract: released vLLM dropped it for trainer engines, and a worker
+        engine written for it (without this method) must still be built."""
+        raise NotImplementedError(
+            "this engine has no trainer_send_weights: build a trainer engine with "
+            "WeightTransferTrainerFactory.trainer_init and call its send_weights()"
+        )
