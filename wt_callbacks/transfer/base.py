@@ -395,7 +395,9 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
 
     @classmethod
     @abstractmethod
-    def trainer_init(cls, *args: Any, client: VLLMWeightSyncClient, source: WeightSource | None = None, **kwargs: Any) -> Self:
+    def trainer_init(
+        cls, *args: Any, client: VLLMWeightSyncClient, source: WeightSource | None = None, **kwargs: Any
+    ) -> Self:
         """Rendezvous with the inference side and return a ready instance:
         ``(init_info, *, client, source=None)`` or ``(config, init_info, *,
         client, source)``, as the class docstring says.

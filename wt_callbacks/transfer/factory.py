@@ -222,10 +222,14 @@ def _bind_call_form(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str,
     info = bound["init_info"]
     backend = info.get("backend") if isinstance(info, Mapping) else getattr(info, "backend", None)
     if not isinstance(backend, str):
-        kind = "a dict init info must name its backend, e.g. {'backend': 'torch_dist', ...}" if isinstance(
-            info, Mapping
-        ) else f"init_info of type {type(info).__name__} names no backend: give it a class-level backend (a TrainerInitInfo subclass)"
-        raise ValueError(f"init_info: {kind}; or use {_CALL_FORMS}")
+        if isinstance(info, Mapping):
+            why = "a dict init info must name its backend, e.g. {'backend': 'torch_dist', ...}"
+        else:
+            why = (
+                f"init_info of type {type(info).__name__} names no backend: give its class a class-level "
+                "backend (a TrainerInitInfo subclass)"
+            )
+        raise ValueError(f"init_info: {why}; or use {_CALL_FORMS}")
     return backend, None, info, True
 
 
