@@ -17,7 +17,8 @@ Nothing here is imported by the trainer: the trainer side is
 ``wt_callbacks.transfer`` and needs no vLLM. The CPU performance adjustments
 the plugin makes in vLLM's processes are in ``vllm_cpu_tuning``; what makes
 rounds through vLLM's layerwise reload exact and complete is in
-``vllm_reload``.
+``vllm_reload`` (with ``vllm_layerwise``, ``vllm_load_trace`` and
+``vllm_reload_state``).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
     )
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    from wt_callbacks.integrations.vllm_reload import ReloadGuard, failed_load_warnings_quieted, processing_deferred
+    from wt_callbacks.integrations.vllm_layerwise import failed_load_warnings_quieted, processing_deferred
+    from wt_callbacks.integrations.vllm_reload import ReloadGuard
     from wt_callbacks.transfer.backends.torch_dist import TorchDistWeightTransferEngine
 
     class VLLMTorchDistWeightTransferEngine(TorchDistWeightTransferEngine):

@@ -1,0 +1,131 @@
+"""What the plugin changes in vLLM's layerwise reload module, and what it needs there.
+
+vLLM 0.32 reloads a model layer by layer (``model_loader/reload/layerwise.py``):
+``start`` moves every layer's parameters to meta, the model's own
+``load_weights`` buffers what arrives, a layer is processed (its kernels
+rebuilt, the result copied into the old storage) once all its elements are
+loaded, and ``finish`` restores what was not loaded. The plugin swaps some of
+that module's functions for the length of one call (``layerwise_replaced``):
+to defer processing to the end of an update (``processing_deferred``), to
+trace a round on meta tensors (``vllm_load_trace``), and it filters the
+module's per-layer warnings (``failed_load_warnings_quieted``).
+
+All of this reaches into vLLM's reload internals; ``missing_reload_internals``
+names what a vLLM version lacks, and the engine refuses to start without them
+rather than serve stale weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+_LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+_META = "vllm.model_executor.model_loader.reload.meta"
+REQUIRED_INTERNALS = {
+    _LAYERWISE: ("_layerwise_process", "get_numel_loaded", "get_layerwise_info", "_place_kernel_tensors", "LOADING_LAYERS"),
+    _META: ("SKIP_TENSORS", "SKIP_LOAD_TENSORS", "to_meta_tensor"),
+}
+
+
+def missing_reload_internals() -> list[str]:
+    """The vLLM internals this module needs that the installed vLLM lacks (empty: all there)."""
+    import importlib
+
+    missing = []
+    for module_name, names in REQUIRED_INTERNALS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        missing += [f"{module_name}.{n}" for n in names if not hasattr(module, n)]
+    return missing
+
+
+@contextmanager
+def layerwise_replaced(**functions: Any) -> Iterator[None]:
+    """vLLM's layerwise reload module with ``functions`` in place of its own of
+    those names for the body, the originals back however it ends. Nothing in
+    vLLM runs concurrently in the worker meanwhile (the engine core waits on
+    the RPC that runs the body), so the swap is safe."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    originals = {name: getattr(layerwise, name) for name in functions}
+    for name, function in functions.items():
+        setattr(layerwise, name, function)
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(layerwise, name, function)
+
+
+@contextmanager
+def processing_deferred() -> Iterator[None]:
+    """Layers that complete while an update streams are processed (their new
+    weights copied into the served tensors) only once every tensor of the
+    update has been received, in the order they completed; if the body
+    raises, none is, and every layer still holds its previous weights.
+
+    Layerwise reload processes a layer the moment its last element arrives,
+    so a round cut mid-stream would keep the layers it completed new and
+    serve a mix. A packed update on CPU holds no memory the worker does not
+    hold anyway: a completed layer's buffered tensors are views of the
+    receive buffers, which keep a whole round (every chunk has its own,
+    since layerwise reload keeps views, and they are kept between rounds).
+    Where a layer's received tensors used to be freed once it was processed
+    (``packed=False``, or ``transport="nccl"``, whose chunks live in device
+    memory) they now stay until the update ends: up to one more copy of the
+    model in the wire dtype. What it costs in time is the overlap of
+    processing with receiving. A layer loaded again after it completed (a
+    name sent twice) is now loaded again, where vLLM dropped the extra load.
+    The unit is one ``update_weights``: a round split over several keeps
+    what its earlier updates applied.
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    real_process = layerwise._layerwise_process
+    completed: dict[int, tuple[torch.nn.Module, Any]] = {}
+
+    def defer(layer: torch.nn.Module, info: Any) -> None:
+        completed.setdefault(id(layer), (layer, info))
+
+    with layerwise_replaced(_layerwise_process=defer):
+        yield
+    for layer, info in completed.values():
+        real_process(layer, info)
+        layerwise.LOADING_LAYERS.discard(layer)
+
+
+@contextmanager
+def failed_load_warnings_quieted() -> Iterator[list[str]]:
+    """For the body, vLLM's ``"<Layer>: Failed to load weights"`` warnings are
+    kept out of the log and their layer class names collected instead.
+
+    Finalizing puts the previous weights back into every layer a round did
+    not load and warns once per such layer: every round for a layer without
+    checkpoint tensors (a rotary embedding's cache), and for every layer of
+    a cut round, hundreds of lines none of which says why. The plugin says
+    what matters once: an abandoned update, or the layers a finished round
+    left incomplete (``ReloadGuard.keep_incomplete``).
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    names: list[str] = []
+
+    def collect(record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights":
+            return True
+        names.append(str(record.args[0]) if isinstance(record.args, tuple) and record.args else "?")
+        return False
+
+    layerwise.logger.addFilter(collect)
+    try:
+        yield names
+    finally:
+        layerwise.logger.removeFilter(collect)
