@@ -19,7 +19,7 @@ from typing import Any
 from wt_callbacks.demos.receiver_process import ReceiverProcess, start_receiver
 from wt_callbacks.demos.synthetic_llama import PARAMS_ENV
 from wt_callbacks.demos.vllm_server import VLLMServer
-from wt_callbacks.transfer.backends.torch_dist.shm_ring import ring_path
+from wt_callbacks.transfer.backends.torch_dist.shm_files import ring_path
 from wt_callbacks.transfer import TrainerWeightTransferEngine, WeightSource, WeightTransferTrainerFactory
 from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient
 

@@ -28,12 +28,8 @@ from wt_callbacks.transfer import (
     WeightTransferError,
     WeightTransferTrainerFactory,
 )
-from wt_callbacks.transfer.backends.torch_dist.shm_ring import (
-    HEARTBEAT_TIMEOUT_S,
-    SHM_DIR,
-    SHM_SLOT_BYTES,
-    SHM_SLOTS,
-)
+from wt_callbacks.transfer.backends.torch_dist.shm_files import SHM_DIR
+from wt_callbacks.transfer.backends.torch_dist.shm_ring import HEARTBEAT_TIMEOUT_S, SHM_SLOT_BYTES, SHM_SLOTS
 
 # A mount namespace with a fresh tmpfs on /dev/shm: the receiver sees its own,
 # empty /dev/shm, as in a container without --ipc=host. It is a simulation
@@ -175,7 +171,7 @@ def test_auto_falls_back_to_gloo_when_a_worker_cannot_map_the_ring(receiver_proc
     shared = receiver_proc()
     isolated = receiver_proc(wrapper=private_shm)
     model = models.tiny_mlp(seed=0)
-    with caplog.at_level(logging.WARNING, logger="wt_callbacks.transfer.backends.torch_dist.shm_ring"):
+    with caplog.at_level(logging.WARNING, logger="wt_callbacks.transfer.backends.torch_dist.shm_negotiation"):
         client, engine = connect([shared.url, isolated.url], ModuleSource(model))
     try:
         assert engine.worker_init_info["transport"] == "shm"

@@ -18,7 +18,7 @@ from wt_callbacks.transfer import (
     WeightSource,
     WeightTransferTrainerFactory,
 )
-from wt_callbacks.transfer.backends.torch_dist.shm_ring import ring_creator, ring_path
+from wt_callbacks.transfer.backends.torch_dist.shm_files import ring_creator, ring_path
 
 TIMEOUT_S = 30.0
 LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}

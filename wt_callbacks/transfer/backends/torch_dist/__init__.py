@@ -8,7 +8,9 @@ agree on everything, so both live in this package, one concern per module:
 
 * ``wire``: the typed configs and the dicts exchanged (vLLM's dense ``nccl`` ones).
 * ``group``: the rendezvous store and the ``TransferGroup``.
-* ``shm_ring``: the ``shm`` transport, a ring in ``/dev/shm`` on one host.
+* ``shm_ring``: the ``shm`` transport, a ring in ``/dev/shm`` on one host;
+  ``shm_files`` (its file), ``shm_negotiation`` (whether a group uses it),
+  ``trainer_process`` (a worker's check that the trainer still runs).
 * ``waits``: server calls on daemon threads and bounded waits on broadcasts.
 * ``trainer``: ``TorchDistTrainerWeightTransferEngine``.
 * ``worker``: ``TorchDistWeightTransferEngine`` (vLLM's plugin and the

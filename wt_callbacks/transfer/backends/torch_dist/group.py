@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from wt_callbacks.transfer.backends.torch_dist.session import check_peers, store_prefix
-from wt_callbacks.transfer.backends.torch_dist.shm_ring import ShmRing, join_ring, offer_ring
+from wt_callbacks.transfer.backends.torch_dist.shm_negotiation import join_ring, offer_ring
+from wt_callbacks.transfer.backends.torch_dist.shm_ring import ShmRing
 from wt_callbacks.transfer.backends.torch_dist.waits import trainer_store_call
 from wt_callbacks.transfer.base import WeightTransferError, in_daemon_thread
 
@@ -139,7 +140,7 @@ class TransferGroup:
 
         With a ``session_id`` the store keys are that session's and every
         rank proves it holds the secret before anything else (``session``).
-        ``transport="shm"`` then negotiates the ring (``shm_ring``);
+        ``transport="shm"`` then negotiates the ring (``shm_negotiation``);
         ``fallback_to_gloo`` matters on rank 0 only, which decides for every
         rank: when a rank cannot map the ring, use gloo broadcasts (``True``,
         what ``auto`` asks for) or fail naming the fix.

@@ -8,48 +8,25 @@ once out of it by each worker, on both sides in parallel. A worker can reach
 a loopback ``master_address`` only from the trainer's host, which is when
 ``transport="auto"`` offers the ring.
 
-The ring rides on a formed ``torch_dist`` gloo group (``TransferGroup.connect``):
-rank 0 creates and maps the file and offers it through the rendezvous store
-(``offer_ring``); its path and layout travel there, not in the init dict,
-since they exist only once the group is forming. Every worker maps it and
-reports (``join_ring``); rank 0 unlinks the file and decides for every rank:
-the ring is used (every rank mapped it), broadcasts fall back to gloo (a rank
-could not, and the trainer asked for ``auto``), or the group fails naming the
-fix (it asked for ``shm``). Workers are told ``transport="shm"`` in both
-cases, so they follow the decision rather than know the trainer's setting.
-``ShmRing`` then streams the broadcasts.
+``ShmRing`` streams the broadcasts through a mapped ring; the file it maps is
+``shm_files``', and whether a group uses it is decided in
+``shm_negotiation``.
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
-import datetime
-import json
-import logging
-import mmap
-import os
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
-from wt_callbacks.transfer.backends.torch_dist.waits import trainer_store_call
+from wt_callbacks.transfer.backends.torch_dist.trainer_process import EXIT_CHECK_INTERVAL_S, TrainerProcess
 from wt_callbacks.transfer.base import WeightTransferError
 from wt_callbacks.transfer.packing import CastPart
 
-logger = logging.getLogger(__name__)
-
-SHM_DIR = "/dev/shm"
-SHM_NAME_PREFIX = "wt_callbacks-ring-"
-"""Ring files are ``SHM_DIR/SHM_NAME_PREFIX<creator pid>-<random token>``; each
-exists only while the ranks map it (rank 0 unlinks it as soon as every rank
-reported). The pid (in the trainer's pid namespace) tells whose a file is
-when several trainers share a host."""
 SHM_SLOTS = 4
 SHM_SLOT_BYTES = 4 * 1024 * 1024
 """The ring: ``SHM_SLOTS`` slots of ``SHM_SLOT_BYTES`` (16 MiB in all).
@@ -70,81 +47,10 @@ flag. 20 missed beats: a trainer whose Python threads starve for 10 s is
 treated as dead."""
 
 
-EXIT_CHECK_INTERVAL_S = 0.05
-"""How often a waiting worker checks that the trainer process still runs."""
-
-
-class TrainerProcess:
-    """The trainer process (rank 0), as a worker on its host can tell that it exited.
-
-    A killed trainer sets no abort flag, and its heartbeat is only missed
-    after ``HEARTBEAT_TIMEOUT_S``; but a worker that sees the trainer's
-    process table can tell at once: ``/proc/<pid>/stat`` gone, a zombie, or
-    another process with that pid (its start time differs). That holds only
-    in the trainer's pid namespace (``/proc/self/ns/pid`` identifies it): a
-    worker in another one (a container sharing ``/dev/shm`` but not pids)
-    cannot check and relies on the heartbeat.
-    """
-
-    def __init__(self, identity: dict[str, int]) -> None:
-        self.pid, self.started = identity["pid"], identity["started"]
-
-    @staticmethod
-    def identity() -> dict[str, int] | None:
-        """This process's pid, start time and pid namespace, for the ring offer
-        (``None`` without a ``/proc`` of this pid namespace)."""
-        try:
-            return {"pid": os.getpid(), "started": _start_time(os.getpid()), "pid_ns": _pid_namespace()}
-        except (OSError, ValueError, IndexError):
-            return None
-
-    @classmethod
-    def checkable(cls, identity: dict[str, int] | None) -> TrainerProcess | None:
-        """The offered trainer, if this process can check on it."""
-        try:
-            if identity and identity["pid_ns"] == _pid_namespace() and _start_time(identity["pid"]) == identity["started"]:
-                return cls(identity)
-        except (OSError, ValueError, IndexError, KeyError, TypeError):
-            pass
-        return None
-
-    def exited(self) -> bool:
-        """Only a missing entry counts as an exit: any other failure to read it
-        (out of file descriptors, say) leaves the verdict to the heartbeat."""
-        try:
-            return _start_time(self.pid) != self.started
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        except (OSError, ValueError, IndexError):
-            return False
-
-
-def _pid_namespace() -> int:
-    """The inode of this process's pid namespace, once ``/proc`` is known to
-    be this namespace's: a ``/proc`` mounted from another would name other
-    processes by these pids."""
-    with open("/proc/self/stat", "rb") as stat:
-        if int(stat.read().split(maxsplit=1)[0]) != os.getpid():
-            raise ValueError("/proc belongs to another pid namespace")
-    return os.stat("/proc/self/ns/pid").st_ino
-
-
-def _start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot); ``None``
-    once the process is dead but not yet reaped (a zombie whose threads all
-    ended: a leader thread that returned while others run shows ``Z`` too).
-    Raises ``FileNotFoundError`` if there is no such process."""
-    with open(f"/proc/{pid}/stat", "rb") as stat:
-        fields = stat.read().rpartition(b")")[2].split()  # the name in parentheses may hold spaces
-    if fields[0] in (b"Z", b"X") and len(os.listdir(f"/proc/{pid}/task")) <= 1:
-        return None
-    return int(fields[19])
-
-
 _FENCE_LOCK = threading.Lock()
 
 
-def _fence() -> None:
+def fence() -> None:
     """Order every memory access before this call before every access after it.
 
     Ring data and the sequence numbers that publish it are plain stores into
@@ -218,7 +124,10 @@ class _ShmWork:
         self._done.set()
 
 
-_ABORT, _HEARTBEAT, _HELLO = 0, 1, 2
+_ABORT, _HEARTBEAT, HELLO = 0, 1, 2
+"""Header words: the abort flag, the heartbeat, then one hello word per rank
+(a worker writes a nonce there to prove it mapped this memory, not a file of
+the same name; ``shm_negotiation``)."""
 
 _Segment = tuple[int | CastPart, int, int]
 
@@ -227,7 +136,7 @@ def _nbytes(part: torch.Tensor | CastPart) -> int:
     return part.nbytes if isinstance(part, CastPart) else part.numel() * part.element_size()
 
 
-def _ring_layout(world_size: int, slots: int, slot_bytes: int) -> tuple[int, int, int]:
+def ring_layout(world_size: int, slots: int, slot_bytes: int) -> tuple[int, int, int]:
     """``(header words, header bytes, file bytes)``: header words are the abort
     flag, the heartbeat, one hello word per rank, per slot its piece's seq and
     length, and per worker per slot its done seq. The header is padded to a
@@ -247,7 +156,7 @@ class ShmRing:
     slots`` (the piece it held before), then publishes the piece by storing
     ``seq`` in the slot's ready word; a worker waits for that, copies the
     piece out and stores ``seq`` in its own done word. Each word has one
-    writer, so plain 8-byte stores suffice, with ``_fence`` ordering them
+    writer, so plain 8-byte stores suffice, with ``fence`` ordering them
     against the data they publish or release.
 
     One thread per rank streams the broadcasts; ``ctypes.memmove`` releases
@@ -269,7 +178,7 @@ class ShmRing:
 
     def __init__(self, mem: torch.Tensor, *, rank: int, world_size: int, slots: int, slot_bytes: int,
                  timeout_s: float, trainer: TrainerProcess | None = None) -> None:  # fmt: skip
-        words, header_bytes, nbytes = _ring_layout(world_size, slots, slot_bytes)
+        words, header_bytes, nbytes = ring_layout(world_size, slots, slot_bytes)
         if mem.numel() != nbytes:
             raise ValueError(f"the ring mapping has {mem.numel()} bytes, the layout needs {nbytes}")
         self.mem = mem  # owns the mapping the raw pointers below point into
@@ -425,7 +334,7 @@ class ShmRing:
                 else:
                     ctypes.memmove(slot_address + offset, source, n)
             words[self._length + slot] = size
-            _fence()
+            fence()
             words[self._ready + slot] = seq
 
     def _receive(self, parts: list[torch.Tensor | CastPart]) -> None:
@@ -445,7 +354,7 @@ class ShmRing:
                     source.tensor.copy_(self.mem[start : start + n].view(source.dtype))
                 else:
                     ctypes.memmove(source, slot_address + offset, n)
-            _fence()
+            fence()
             words[done + slot] = seq
 
     def _wait_until(self, ready: Callable[[], bool], what: str) -> None:
@@ -480,172 +389,8 @@ class ShmRing:
                 raise WeightTransferError(f"waited timeout_s={self.timeout_s:g} for {what}")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
-        _fence()
+        fence()
 
     def _beat(self) -> None:
         while not self._closed.wait(HEARTBEAT_INTERVAL_S):
             self.words[_HEARTBEAT] += 1
-
-
-_RINGS_TO_UNLINK: set[str] = set()
-"""Ring files created here and not yet unlinked. A rendezvous the trainer gave
-up on (a server refused it) leaves its thread waiting for the workers'
-reports, and daemon threads die silently at exit: ``atexit`` unlinks what
-they still hold."""
-
-
-@atexit.register
-def _unlink_rings_at_exit() -> None:
-    for path in list(_RINGS_TO_UNLINK):
-        _unlink_ring(path)
-
-
-def _unlink_ring(path: str) -> None:
-    _RINGS_TO_UNLINK.discard(path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def ring_path(creator: int | str, token: str) -> str:
-    """The ring file of process ``creator`` with random ``token`` (see
-    ``SHM_NAME_PREFIX``); either may be a glob pattern (``"*"``)."""
-    return os.path.join(SHM_DIR, f"{SHM_NAME_PREFIX}{creator}-{token}")
-
-
-def ring_creator(path: str) -> int | None:
-    """The pid that created ring file ``path``; ``None`` for a name that is not a ring's."""
-    name = os.path.basename(path)
-    creator = name.removeprefix(SHM_NAME_PREFIX).split("-", 1)[0]
-    return int(creator) if name.startswith(SHM_NAME_PREFIX) and creator.isdecimal() else None
-
-
-def _create_ring_file(nbytes: int) -> str:
-    path = ring_path(os.getpid(), secrets.token_hex(16))
-    # 0600: only processes of this user may map the ring (a server running as
-    # another user reports that it cannot, and the negotiation handles it).
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    _RINGS_TO_UNLINK.add(path)
-    try:
-        # Reserve the pages now: on a full tmpfs a sparse file turns the
-        # first write into it into a SIGBUS instead of an error here.
-        os.posix_fallocate(fd, 0, nbytes)
-    except BaseException:
-        _unlink_ring(path)
-        raise
-    finally:
-        os.close(fd)
-    return path
-
-
-def _map_ring_file(path: str, nbytes: int) -> torch.Tensor:
-    # Mapped from the descriptor opened without O_CREAT: opening by name again
-    # (``torch.from_file`` creates a missing file) would let a worker with its
-    # own /dev/shm, or one racing rank 0's unlink, map a fresh private ring and
-    # leave that file behind.
-    fd = os.open(path, os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size
-        if size != nbytes:
-            raise OSError(f"{path} has {size} bytes, the ring needs {nbytes}")
-        # The tensor keeps the mmap object (and so the mapping) alive.
-        return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
-    finally:
-        os.close(fd)
-
-
-def _shm_unavailable(detail: str) -> str:
-    return (
-        f"transport='shm' needs a shared-memory ring in {SHM_DIR} that the trainer creates and every "
-        f"inference worker maps, but {detail}. Run the servers on the trainer's host, as the same user "
-        f"and sharing its {SHM_DIR} (a container needs --ipc=host or a shared {SHM_DIR} mount), or set "
-        "transport='gloo' (or 'auto', which falls back to gloo)"
-    )
-
-
-def offer_ring(store: dist.Store, *, world_size: int, timeout_s: float, fallback_to_gloo: bool) -> ShmRing | None:
-    """Rank 0 of the negotiation: create and map the ring, publish it, collect
-    every worker's report, unlink the file, decide for every rank."""
-    _, _, nbytes = _ring_layout(world_size, SHM_SLOTS, SHM_SLOT_BYTES)
-    ring, path, problems = None, "", {}
-    try:
-        path = _create_ring_file(nbytes)
-        ring = ShmRing(_map_ring_file(path, nbytes), rank=0, world_size=world_size, slots=SHM_SLOTS,
-                       slot_bytes=SHM_SLOT_BYTES, timeout_s=timeout_s)  # fmt: skip
-    except (OSError, RuntimeError) as e:
-        problems[0] = f"the trainer cannot create it: {type(e).__name__}: {e}"
-    try:
-        offer = {
-            "path": path if ring is not None else "", "slots": SHM_SLOTS, "slot_bytes": SHM_SLOT_BYTES,
-            "trainer": TrainerProcess.identity(),
-        }  # fmt: skip
-        store.set("shm/ring", json.dumps(offer))
-        if ring is not None:
-            keys = [f"shm/mapped/{r}" for r in range(1, world_size)]
-            try:
-                store.wait(keys, datetime.timedelta(seconds=timeout_s))
-            except BaseException:
-                # A worker that never reported hung or died: tell the others
-                # at once rather than leave them waiting for a decision.
-                store.set("shm/decision", json.dumps({"use": "error", "message": "a worker never reported"}))
-                ring.close()
-                raise
-            _fence()
-            for r, key in enumerate(keys, start=1):
-                report = store.get(key).decode()
-                if not report.startswith("hello "):
-                    problems[r] = f"rank {r} cannot: {report}"
-                elif ring.words[_HELLO + r] != int(report.split()[1]):
-                    # The path opened, but a different file: not this memory.
-                    problems[r] = f"rank {r} mapped a different file of that name (its own {SHM_DIR}?)"
-    finally:
-        if path:
-            # Every rank mapped the file or gave up: from here on it lives only
-            # as long as the mappings, so even a crash leaks nothing.
-            _unlink_ring(path)
-    decision = {"use": "shm", "message": ""}
-    if problems:
-        detail = "; ".join(problems[r] for r in sorted(problems))
-        if fallback_to_gloo:
-            decision["use"] = "gloo"
-            logger.warning("torch_dist: shared-memory ring unavailable (%s); every rank uses gloo broadcasts", detail)
-        else:
-            decision = {"use": "error", "message": _shm_unavailable(detail)}
-    store.set("shm/decision", json.dumps(decision))
-    return _follow(decision, ring)
-
-
-def join_ring(store: dist.Store, *, rank: int, world_size: int, timeout_s: float) -> ShmRing | None:
-    """A worker's side of the negotiation: map the offered ring, report, follow rank 0's decision.
-
-    Its ``get``s wait on the trainer's store, which a frozen trainer never
-    answers: bounded (``waits``). ``set`` does not wait for an answer."""
-    offer = json.loads(trainer_store_call(lambda: store.get("shm/ring"), "the ring's offer", timeout_s=timeout_s))
-    ring = None
-    if offer["path"]:
-        try:
-            _, _, nbytes = _ring_layout(world_size, offer["slots"], offer["slot_bytes"])
-            ring = ShmRing(_map_ring_file(offer["path"], nbytes), rank=rank, world_size=world_size,
-                           slots=offer["slots"], slot_bytes=offer["slot_bytes"], timeout_s=timeout_s,
-                           trainer=TrainerProcess.checkable(offer.get("trainer")))  # fmt: skip
-            nonce = secrets.randbits(62) + 1
-            ring.words[_HELLO + rank] = nonce
-            _fence()
-            report = f"hello {nonce}"
-        except Exception as e:  # noqa: BLE001 - every failure is reported: rank 0 waits for a report
-            ring = None
-            report = f"{offer['path']}: {type(e).__name__}: {e}"
-        store.set(f"shm/mapped/{rank}", report)
-    decision = trainer_store_call(lambda: store.get("shm/decision"), "the ring's decision", timeout_s=timeout_s)
-    return _follow(json.loads(decision), ring)
-
-
-def _follow(decision: dict[str, str], ring: ShmRing | None) -> ShmRing | None:
-    if decision["use"] == "error":
-        raise WeightTransferError(decision["message"])
-    if decision["use"] == "gloo":
-        return None
-    assert ring is not None, "rank 0 decided for the ring only if every rank mapped it"
-    ring.start()
-    return ring

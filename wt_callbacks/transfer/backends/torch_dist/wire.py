@@ -74,7 +74,7 @@ class TorchDistTrainerConfig(WeightTransferConfig):
             ``"shm"`` (gloo group, broadcasts through a ring in ``/dev/shm``;
             every server must run on this host and share its ``/dev/shm``,
             or the rendezvous fails naming the fix). How the ranks agree on
-            the ring, and the fallback: see ``shm_ring``.
+            the ring, and the fallback: see ``shm_negotiation``.
         reuse_buffers: keep the packing buffers between rounds (host memory
             only; on a GPU the caching allocator reuses freed blocks anyway).
             Fresh host memory is page-faulted on first touch, which costs more
@@ -165,7 +165,7 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
     ``session_id``, ``session_proof``).
 
     ``transport``: ``"gloo"``, ``"nccl"`` or ``"shm"`` (the gloo group, then
-    the ring's negotiation: see ``shm_ring``). ``session_id``: the session's
+    the ring's negotiation: see ``shm_negotiation``). ``session_id``: the session's
     secret; ``session_proof``: proof of the server's token (both in
     ``session``). Both optional: a trainer older than sessions sends neither,
     and a server without a token then accepts it as before.
