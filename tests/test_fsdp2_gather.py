@@ -28,7 +28,7 @@ from wt_callbacks.demos.multiprocess import free_port, leave_group_together
 from wt_callbacks.demos.tiny_lms import qwen3_moe
 from wt_callbacks.transfer import ModuleSource, materialize_full_tensor
 from wt_callbacks.transfer.sources.fsdp2 import FSDP2Shards
-from wt_callbacks.transfer.sources.gathering import gather_for
+from wt_callbacks.transfer.sources.schemes import gather_for
 
 
 def _model() -> torch.nn.Module:

@@ -85,7 +85,7 @@ def test_fsdp2_casts_before_the_gather_on_cuda(one_rank_group):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from wt_callbacks.transfer.sources.gathering import _wire
+    from wt_callbacks.transfer.sources.gathering import in_wire_dtype
 
     model = models.wide_mlp(seed=0).cuda()
     expected = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
@@ -95,8 +95,8 @@ def test_fsdp2_casts_before_the_gather_on_cuda(one_rank_group):
     fully_shard(model, mesh=mesh)
     weight = model.layers[0].weight
     # The shard is cast, the gather then moves bf16.
-    assert isinstance(_wire(weight.detach(), torch.bfloat16), DTensor)
-    assert _wire(weight.detach(), torch.bfloat16).to_local().dtype == torch.bfloat16
+    assert isinstance(in_wire_dtype(weight.detach(), torch.bfloat16), DTensor)
+    assert in_wire_dtype(weight.detach(), torch.bfloat16).to_local().dtype == torch.bfloat16
     sent = dict(ModuleSource(model, dtype=torch.bfloat16))
     assert sent.keys() == expected.keys()
     for name, tensor in sent.items():

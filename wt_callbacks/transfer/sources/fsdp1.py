@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from wt_callbacks.naming import checkpoint_name
 from wt_callbacks.transfer.base import ParamMeta
-from wt_callbacks.transfer.sources.gathering import ParameterGather, _wire
+from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class FSDP1Units(ParameterGather):
             del originals
         for name in names:
             if name in self._plain:
-                yield name, _wire(self._plain[name].detach(), dtype)
+                yield name, in_wire_dtype(self._plain[name].detach(), dtype)
 
 
 def _unshard(unit: torch.nn.Module, dtype: torch.dtype | None) -> list[torch.Tensor]:
@@ -176,7 +176,7 @@ def _unshard(unit: torch.nn.Module, dtype: torch.dtype | None) -> list[torch.Ten
         # (and on the CPU under CPU offload), whether or not the unit is
         # still unsharded after a forward. FSDP1 records it at its lazy
         # init (first forward); before that the flat parameter is the shard.
-        shard = _wire(getattr(flat, "_local_shard", flat).detach().to(handle.device), dtype)
+        shard = in_wire_dtype(getattr(flat, "_local_shard", flat).detach().to(handle.device), dtype)
         group = handle.process_group
         world = dist.get_world_size(group)
         full = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
@@ -189,7 +189,7 @@ def _unshard(unit: torch.nn.Module, dtype: torch.dtype | None) -> list[torch.Ten
     else:
         # NO_SHARD: whole on every rank. Without a cast these are views of the
         # live parameter, unchanged during a round, as LocalParameters yields.
-        full = _wire(flat.detach(), dtype)
+        full = in_wire_dtype(flat.detach(), dtype)
     originals = []
     for piece, padding in zip(torch.split(full, flat._numels_with_padding), flat._is_padding_mask):
         if padding:

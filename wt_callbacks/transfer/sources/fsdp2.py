@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from wt_callbacks.transfer.base import ParamMeta
-from wt_callbacks.transfer.sources.gathering import ParameterGather, _wire
+from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype
 from wt_callbacks.transfer.validation import check_positive
 
 DEFAULT_GATHER_BUCKET_BYTES = 4 * 1024 * 1024
@@ -225,7 +225,7 @@ class FSDP2Shards(ParameterGather):
                     yield from self._unpack(posted, keep)
                     posted = None
                 name, tensor = item
-                tensor = _wire(tensor, dtype)
+                tensor = in_wire_dtype(tensor, dtype)
                 full_tensor = getattr(tensor, "full_tensor", None)
                 yield name, tensor if full_tensor is None else full_tensor()
             if posted is not None:

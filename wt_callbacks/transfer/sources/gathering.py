@@ -1,10 +1,10 @@
 """Full parameters out of a sharded module, one sharding scheme per gatherer.
 
 A gatherer knows one way of holding parameters across trainer ranks and
-turns them into full tensors. ``ModuleSource`` asks ``gather_for(module,
+turns them into full tensors. ``ModuleSource`` asks ``schemes.gather_for(module,
 submodule)`` for the one that fits: the scheme is detected from the module,
 never configured, so the same ``weight_sync`` section works under every
-strategy (``schemes``). One module per gatherer: ``LocalParameters`` here
+strategy. One module per gatherer: ``LocalParameters`` here
 (whole tensors), ``fsdp2`` (FSDP2 ``DTensor`` s, a bucket at a time),
 ``fsdp1`` (FSDP1 units), ``zero3`` (DeepSpeed ZeRO-3 groups).
 
@@ -22,9 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from wt_callbacks.naming import find_submodule
 from wt_callbacks.transfer.base import ParamMeta
-from wt_callbacks.transfer.sources.schemes import DTENSOR, FSDP1, ZERO3, sharding_scheme
 
 
 class ParameterGather(ABC):
@@ -62,7 +60,10 @@ class ParameterGather(ABC):
         return (name for name, _ in self.gather(names, dtype))
 
 
-def _wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def in_wire_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` cast to the wire ``dtype`` if it is floating point and not
+    in it already (``None``: every tensor as it is): the one cast to the
+    wire dtype, for the gatherers and for whole buffers alike."""
     if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
         return tensor.to(dtype)
     return tensor
@@ -81,7 +82,7 @@ class LocalParameters(ParameterGather):
     def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         params = dict(self.module.named_parameters())
         for name in names:
-            yield name, _wire(params[name].detach(), dtype)
+            yield name, in_wire_dtype(params[name].detach(), dtype)
 
 
 def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -99,33 +100,3 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             seen.add(id(buffer))
             found[f"{prefix}.{name}" if prefix else name] = buffer
     return found
-
-
-def gather_for(module: torch.nn.Module, submodule: str | None = None) -> ParameterGather:
-    """The gatherer for how ``module``'s parameters are held, reporting those
-    of its ``submodule`` (a path in checkpoint naming; ``None``: all).
-
-    ``module`` is the module as the framework holds it (the FSDP1 root, the
-    DeepSpeed engine, DDP): an FSDP1 root unit lives there, outside the
-    submodule it wraps.
-
-    Raises:
-        ValueError: for a module mixing schemes, or a scheme whose
-            parameters cannot be sent, naming the strategy and what to use
-            instead.
-    """
-    root = find_submodule(module, submodule)
-    scheme = sharding_scheme(module, root)
-    if scheme == FSDP1:
-        from wt_callbacks.transfer.sources.fsdp1 import FSDP1Units
-
-        return FSDP1Units(module, submodule)
-    if scheme == ZERO3:
-        from wt_callbacks.transfer.sources.zero3 import Zero3Groups
-
-        return Zero3Groups(root)
-    if scheme == DTENSOR:
-        from wt_callbacks.transfer.sources.fsdp2 import FSDP2Shards
-
-        return FSDP2Shards(root, sharded_root=module)
-    return LocalParameters(root)

@@ -4,8 +4,9 @@ The one source the framework adapters build, from the module as the training
 framework holds it. Four concerns, each in its own room:
 
 * gathering, per sharding scheme, detected from the module
-  (``sources.gathering``): full tensors, cast to the wire dtype before the
-  gather, every rank in the same order;
+  (``sources.schemes``; the gatherers' base class in ``sources.gathering``):
+  full tensors, cast to the wire dtype before the gather, every rank in the
+  same order;
 * names (``wt_callbacks.naming``): the selected submodule, wrapper segments
   such as ``module.`` or ``_orig_mod.`` stripped;
 * the checkpoint format (``sources.checkpoint_format``): transformers'
@@ -32,8 +33,8 @@ import torch
 from wt_callbacks.naming import checkpoint_name, find_submodule
 from wt_callbacks.transfer.base import Metadata, ParamMeta, WeightSource
 from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout, ConversionGroup
-from wt_callbacks.transfer.sources.gathering import ParameterGather, _wire, gather_for, persistent_buffers
-from wt_callbacks.transfer.sources.schemes import sharding_scheme
+from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype, persistent_buffers
+from wt_callbacks.transfer.sources.schemes import gather_for, sharding_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class ModuleSource(WeightSource):
         raw_to_name = {raw: checkpoint_name(raw) for raw in plan.gather_names + plan.buffer_names}
         gathered = ((raw_to_name[raw], t) for raw, t in self._gather.gather(plan.gather_names, gather_dtype))
         buffers = persistent_buffers(self._root)
-        whole = ((raw_to_name[raw], _wire(buffers[raw].detach(), gather_dtype)) for raw in plan.buffer_names)
+        whole = ((raw_to_name[raw], in_wire_dtype(buffers[raw].detach(), gather_dtype)) for raw in plan.buffer_names)
         yield from self._convert(plan, itertools.chain(gathered, whole))
 
     # -- the plan --------------------------------------------------------------

@@ -4,7 +4,8 @@
 FSDP1 root, the DeepSpeed engine, DDP) and answers one scheme, or raises for
 a module whose parameters cannot be sent from rank 0 alone: one that mixes
 schemes, a DeepSpeed pipeline stage, DeepSpeed tensor-parallel (AutoTP)
-layers. ``gathering.gather_for`` picks the gatherer from the answer.
+layers; ``gather_for`` picks the gatherer for the answer (one module per
+gatherer, their base class in ``gathering``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from wt_callbacks.naming import find_submodule
+from wt_callbacks.transfer.sources.fsdp1 import FSDP1Units
+from wt_callbacks.transfer.sources.fsdp2 import FSDP2Shards
+from wt_callbacks.transfer.sources.gathering import LocalParameters, ParameterGather
+from wt_callbacks.transfer.sources.zero3 import Zero3Groups
 
 FSDP1 = "FSDP1 (FullyShardedDataParallel)"
 ZERO3 = "DeepSpeed ZeRO-3"
@@ -89,3 +96,27 @@ def _refuse_partial_models(module: torch.nn.Module) -> None:
                 "a slice of it, so rank 0 cannot send the model. Sync from a data-parallel engine "
                 "(tensor_parallel autotp_size 1), or use FSDP2 with DTensor tensor parallelism"
             )
+
+
+def gather_for(module: torch.nn.Module, submodule: str | None = None) -> ParameterGather:
+    """The gatherer for how ``module``'s parameters are held, reporting those
+    of its ``submodule`` (a path in checkpoint naming; ``None``: all).
+
+    ``module`` is the module as the framework holds it (the FSDP1 root, the
+    DeepSpeed engine, DDP): an FSDP1 root unit lives there, outside the
+    submodule it wraps.
+
+    Raises:
+        ValueError: for a module mixing schemes, or a scheme whose
+            parameters cannot be sent, naming the strategy and what to use
+            instead.
+    """
+    root = find_submodule(module, submodule)
+    scheme = sharding_scheme(module, root)
+    if scheme == FSDP1:
+        return FSDP1Units(module, submodule)
+    if scheme == ZERO3:
+        return Zero3Groups(root)
+    if scheme == DTENSOR:
+        return FSDP2Shards(root, sharded_root=module)
+    return LocalParameters(root)

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from wt_callbacks.transfer.base import ParamMeta
-from wt_callbacks.transfer.sources.gathering import ParameterGather, _wire
+from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype
 
 GROUP_BYTES = 64 * 1024 * 1024
 """Target size of one gathered group, in the parameters' dtype."""
@@ -93,7 +93,7 @@ class Zero3Groups(ParameterGather):
                         yield name, None
                         continue
                     full = param.detach()
-                    sent = _wire(full, dtype)
+                    sent = in_wire_dtype(full, dtype)
                     # A copy either way: the context frees the gathered data on exit.
                     yield name, sent if sent is not full else full.clone()
 
