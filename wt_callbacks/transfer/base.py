@@ -8,15 +8,13 @@ install it (it pins torch exactly).
 
 The weight sources (``ParamMeta``, ``WeightSource``, ...) live in
 ``weight_source`` and the typed settings (``TrainerInitInfo``,
-``parse_dataclass``) in ``infos``; they are importable from here, where vLLM
-defines them. ``ModuleSource`` too: vLLM defines it in ``base``, ours lives in
-``sources`` (it needs the gatherers, which import this module), so it is
-looked up on first use.
+``parse_dataclass``) in ``infos``, the wire's dtype names in ``dtypes``, and
+``ModuleSource`` in ``sources`` (with a gatherer per sharding scheme); they are
+importable from here, where vLLM defines them.
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
 import threading
@@ -29,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, run
 
 import torch
 
+from wt_callbacks.transfer.dtypes import dtype_from_name, dtype_name
 from wt_callbacks.transfer.infos import (
     TrainerInitInfo,
     fields_of,
@@ -36,6 +35,7 @@ from wt_callbacks.transfer.infos import (
     released_config,
     resolve_settings,
 )
+from wt_callbacks.transfer.sources import ModuleSource
 from wt_callbacks.transfer.weight_source import (
     Metadata,
     ParamMeta,
@@ -50,8 +50,6 @@ from wt_callbacks.transfer.weight_source import (
 
 if TYPE_CHECKING:
     from typing_extensions import Self
-
-    from wt_callbacks.transfer.sources import ModuleSource
 
 __all__ = [
     "CLEANUP_TIMEOUT_S",
@@ -88,14 +86,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "ModuleSource":
-        from wt_callbacks.transfer.sources import ModuleSource
-
-        return ModuleSource
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 logger = logging.getLogger(__name__)
 
 WeightTransferUpdatePayload = dict[str, Any] | list[dict[str, Any]]
@@ -105,29 +95,6 @@ one dict per global worker rank (the worker picks its own entry)."""
 
 class WeightTransferError(RuntimeError):
     """A sync round or a rendezvous failed; the message says what to fix."""
-
-
-# --------------------------------------------------------------------------- #
-# dtype names on the wire
-# --------------------------------------------------------------------------- #
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of a dtype: its torch attribute name (``"bfloat16"``)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str, *, key: str = "dtype") -> torch.dtype:
-    """Decode a wire dtype name; ``ValueError`` naming ``key`` if it is not one."""
-    value = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        known = sorted(n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype))
-        hint = difflib.get_close_matches(str(name), known, n=1)
-        raise ValueError(
-            f"{key}={name!r} is not a torch dtype name"
-            + (f"; did you mean {hint[0]!r}?" if hint else f"; use one of {known}")
-        )
-    return value
 
 
 CLEANUP_TIMEOUT_S = 10.0

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from wt_callbacks.transfer.base import dtype_from_name
+from wt_callbacks.transfer.dtypes import dtype_from_name
 
 
 MAX_SECONDS = 1e9

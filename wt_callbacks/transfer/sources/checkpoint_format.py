@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from wt_callbacks.transfer.base import ParamMeta
+from wt_callbacks.transfer.weight_source import ParamMeta
 
 
 @dataclass(frozen=True)

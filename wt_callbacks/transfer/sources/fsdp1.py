@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from wt_callbacks.naming import checkpoint_name
-from wt_callbacks.transfer.base import ParamMeta
+from wt_callbacks.transfer.weight_source import ParamMeta
 from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype
 
 

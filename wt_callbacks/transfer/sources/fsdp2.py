@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wt_callbacks.transfer.base import ParamMeta
+from wt_callbacks.transfer.weight_source import ParamMeta
 from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype
 from wt_callbacks.transfer.validation import check_positive
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from wt_callbacks.transfer.base import ParamMeta
+from wt_callbacks.transfer.weight_source import ParamMeta
 
 
 class ParameterGather(ABC):

@@ -31,7 +31,7 @@ from fnmatch import fnmatchcase
 import torch
 
 from wt_callbacks.naming import checkpoint_name, find_submodule
-from wt_callbacks.transfer.base import Metadata, ParamMeta, WeightSource
+from wt_callbacks.transfer.weight_source import Metadata, ParamMeta, WeightSource
 from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout, ConversionGroup
 from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype, persistent_buffers
 from wt_callbacks.transfer.sources.schemes import gather_for, sharding_scheme

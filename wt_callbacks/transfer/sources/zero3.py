@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from wt_callbacks.transfer.base import ParamMeta
+from wt_callbacks.transfer.weight_source import ParamMeta
 from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype
 
 GROUP_BYTES = 64 * 1024 * 1024
