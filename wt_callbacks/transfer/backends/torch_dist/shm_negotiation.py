@@ -21,14 +21,7 @@ import secrets
 import torch.distributed as dist
 
 from wt_callbacks.transfer.backends.torch_dist.shm_files import SHM_DIR, create_ring_file, map_ring_file, unlink_ring
-from wt_callbacks.transfer.backends.torch_dist.shm_ring import (
-    HELLO,
-    SHM_SLOT_BYTES,
-    SHM_SLOTS,
-    ShmRing,
-    fence,
-    ring_layout,
-)
+from wt_callbacks.transfer.backends.torch_dist.shm_ring import SHM_SLOT_BYTES, SHM_SLOTS, ShmRing
 from wt_callbacks.transfer.backends.torch_dist.trainer_process import TrainerProcess
 from wt_callbacks.transfer.backends.torch_dist.waits import trainer_store_call
 from wt_callbacks.transfer.base import WeightTransferError
@@ -48,7 +41,7 @@ def _shm_unavailable(detail: str) -> str:
 def offer_ring(store: dist.Store, *, world_size: int, timeout_s: float, fallback_to_gloo: bool) -> ShmRing | None:
     """Rank 0 of the negotiation: create and map the ring, publish it, collect
     every worker's report, unlink the file, decide for every rank."""
-    _, _, nbytes = ring_layout(world_size, SHM_SLOTS, SHM_SLOT_BYTES)
+    nbytes = ShmRing.file_bytes(world_size, SHM_SLOTS, SHM_SLOT_BYTES)
     ring, path, problems = None, "", {}
     try:
         path = create_ring_file(nbytes)
@@ -72,12 +65,11 @@ def offer_ring(store: dist.Store, *, world_size: int, timeout_s: float, fallback
                 store.set("shm/decision", json.dumps({"use": "error", "message": "a worker never reported"}))
                 ring.close()
                 raise
-            fence()
             for r, key in enumerate(keys, start=1):
                 report = store.get(key).decode()
                 if not report.startswith("hello "):
                     problems[r] = f"rank {r} cannot: {report}"
-                elif ring.words[HELLO + r] != int(report.split()[1]):
+                elif ring.hello(r) != int(report.split()[1]):
                     # The path opened, but a different file: not this memory.
                     problems[r] = f"rank {r} mapped a different file of that name (its own {SHM_DIR}?)"
     finally:
@@ -106,13 +98,12 @@ def join_ring(store: dist.Store, *, rank: int, world_size: int, timeout_s: float
     ring = None
     if offer["path"]:
         try:
-            _, _, nbytes = ring_layout(world_size, offer["slots"], offer["slot_bytes"])
+            nbytes = ShmRing.file_bytes(world_size, offer["slots"], offer["slot_bytes"])
             ring = ShmRing(map_ring_file(offer["path"], nbytes), rank=rank, world_size=world_size,
                            slots=offer["slots"], slot_bytes=offer["slot_bytes"], timeout_s=timeout_s,
                            trainer=TrainerProcess.checkable(offer.get("trainer")))  # fmt: skip
             nonce = secrets.randbits(62) + 1
-            ring.words[HELLO + rank] = nonce
-            fence()
+            ring.write_hello(nonce)
             report = f"hello {nonce}"
         except Exception as e:  # noqa: BLE001 - every failure is reported: rank 0 waits for a report
             ring = None

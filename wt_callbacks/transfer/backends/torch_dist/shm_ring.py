@@ -50,7 +50,7 @@ treated as dead."""
 _FENCE_LOCK = threading.Lock()
 
 
-def fence() -> None:
+def _fence() -> None:
     """Order every memory access before this call before every access after it.
 
     Ring data and the sequence numbers that publish it are plain stores into
@@ -124,10 +124,9 @@ class _ShmWork:
         self._done.set()
 
 
-_ABORT, _HEARTBEAT, HELLO = 0, 1, 2
+_ABORT, _HEARTBEAT, _HELLO = 0, 1, 2
 """Header words: the abort flag, the heartbeat, then one hello word per rank
-(a worker writes a nonce there to prove it mapped this memory, not a file of
-the same name; ``shm_negotiation``)."""
+(``write_hello``)."""
 
 _Segment = tuple[int | CastPart, int, int]
 
@@ -136,7 +135,7 @@ def _nbytes(part: torch.Tensor | CastPart) -> int:
     return part.nbytes if isinstance(part, CastPart) else part.numel() * part.element_size()
 
 
-def ring_layout(world_size: int, slots: int, slot_bytes: int) -> tuple[int, int, int]:
+def _ring_layout(world_size: int, slots: int, slot_bytes: int) -> tuple[int, int, int]:
     """``(header words, header bytes, file bytes)``: header words are the abort
     flag, the heartbeat, one hello word per rank, per slot its piece's seq and
     length, and per worker per slot its done seq. The header is padded to a
@@ -156,7 +155,7 @@ class ShmRing:
     slots`` (the piece it held before), then publishes the piece by storing
     ``seq`` in the slot's ready word; a worker waits for that, copies the
     piece out and stores ``seq`` in its own done word. Each word has one
-    writer, so plain 8-byte stores suffice, with ``fence`` ordering them
+    writer, so plain 8-byte stores suffice, with ``_fence`` ordering them
     against the data they publish or release.
 
     One thread per rank streams the broadcasts; ``ctypes.memmove`` releases
@@ -178,7 +177,7 @@ class ShmRing:
 
     def __init__(self, mem: torch.Tensor, *, rank: int, world_size: int, slots: int, slot_bytes: int,
                  timeout_s: float, trainer: TrainerProcess | None = None) -> None:  # fmt: skip
-        words, header_bytes, nbytes = ring_layout(world_size, slots, slot_bytes)
+        words, header_bytes, nbytes = _ring_layout(world_size, slots, slot_bytes)
         if mem.numel() != nbytes:
             raise ValueError(f"the ring mapping has {mem.numel()} bytes, the layout needs {nbytes}")
         self.mem = mem  # owns the mapping the raw pointers below point into
@@ -200,6 +199,23 @@ class ShmRing:
         self._threads = [threading.Thread(target=self._stream, name=f"wt-shm-rank{rank}", daemon=True)]
         if rank == 0:
             self._threads.append(threading.Thread(target=self._beat, name="wt-shm-heartbeat", daemon=True))
+
+    @staticmethod
+    def file_bytes(world_size: int, slots: int, slot_bytes: int) -> int:
+        """Bytes of the file a ring of this layout maps."""
+        return _ring_layout(world_size, slots, slot_bytes)[2]
+
+    def write_hello(self, nonce: int) -> None:
+        """Publish this rank's ``nonce``: read back by rank 0 (``hello``), it
+        proves this rank mapped the same memory, not a file of the same name
+        in a ``/dev/shm`` of its own."""
+        self.words[_HELLO + self.rank] = nonce
+        _fence()
+
+    def hello(self, rank: int) -> int:
+        """The nonce ``rank`` wrote, once its report says it did."""
+        _fence()
+        return self.words[_HELLO + rank]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -334,7 +350,7 @@ class ShmRing:
                 else:
                     ctypes.memmove(slot_address + offset, source, n)
             words[self._length + slot] = size
-            fence()
+            _fence()
             words[self._ready + slot] = seq
 
     def _receive(self, parts: list[torch.Tensor | CastPart]) -> None:
@@ -354,7 +370,7 @@ class ShmRing:
                     source.tensor.copy_(self.mem[start : start + n].view(source.dtype))
                 else:
                     ctypes.memmove(source, slot_address + offset, n)
-            fence()
+            _fence()
             words[done + slot] = seq
 
     def _wait_until(self, ready: Callable[[], bool], what: str) -> None:
@@ -389,7 +405,7 @@ class ShmRing:
                 raise WeightTransferError(f"waited timeout_s={self.timeout_s:g} for {what}")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
-        fence()
+        _fence()
 
     def _beat(self) -> None:
         while not self._closed.wait(HEARTBEAT_INTERVAL_S):
