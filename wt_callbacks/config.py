@@ -51,6 +51,7 @@ EXCLUSIVE_GROUPS = (TRIGGER_KEYS, ("servers", "ray_actors"))
 """Keys of which one is given; an override of one replaces the section's choice."""
 PAUSE_MODES = (*SERVER_PAUSE_MODES, "none")
 ON_ERROR_MODES = ("raise", "warn")
+LORA_MODES = ("merge", "adapter")
 DEFAULT_INIT_INFO: dict[str, Any] = {"master_address": "127.0.0.1", "master_port": 0}
 """Rendezvous defaults: the trainer on this host, any free port (reported to the servers)."""
 
@@ -116,6 +117,13 @@ class SyncConfig:
         verify_tolerance: largest |logprob difference| a check accepts before
             the round fails (per ``on_error``); default by wire dtype
             (``wt_callbacks.verify.DEFAULT_TOLERANCES``).
+        lora: what a PEFT (LoRA) model sends (``wt_callbacks.lora``):
+            ``"merge"`` (the default for a PEFT model) the base checkpoint's
+            tensors with the adapters merged in, for servers that serve the
+            base checkpoint; ``"adapter"`` the active adapter alone, which the
+            servers load and serve as ``lora_name`` beside the base model.
+        lora_name: with ``lora: adapter``, the model name requests give to be
+            served the adapter (``"model": lora_name``).
     """
 
     backend: str = "torch_dist"
@@ -139,6 +147,8 @@ class SyncConfig:
     api_key: str | None = None
     verify_every_n_syncs: int = 0
     verify_tolerance: float | None = None
+    lora: str | None = None
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in TRIGGER_KEYS if getattr(self, k) is not None]
@@ -191,11 +201,32 @@ class SyncConfig:
             raise _choices_error("on_error", self.on_error, ON_ERROR_MODES)
         if "rank" in self.init_info:
             raise ValueError("init_info: remove 'rank'; each trainer process sets its own rank")
+        self._check_lora()
 
         # The backend's own parsers check the nested sections now, so a typo
         # there fails at setup like a typo at the top level.
         engine_cls = WeightTransferTrainerFactory.engine_class(self.backend)
         engine_cls.parse_settings(self.backend_config(), self.init_info_for(rank=0))
+
+    def _check_lora(self) -> None:
+        if self.lora is not None and self.lora not in LORA_MODES:
+            raise _choices_error("lora", self.lora, LORA_MODES)
+        if self.lora != "adapter":
+            if self.lora_name is not None:
+                raise ValueError("lora_name names the adapter lora: adapter serves; set lora: adapter or remove lora_name")
+            return
+        from wt_callbacks.lora.files import check_component
+
+        if self.lora_name is None:
+            raise ValueError("lora: adapter needs lora_name: the model name requests give to be served the adapter")
+        check_component("lora_name", self.lora_name)
+        if not self.servers:
+            raise ValueError(
+                "lora: adapter has the servers load each version over HTTP (/v1/load_lora_adapter): it needs "
+                "servers: [http://host:port, ...], not ray_actors"
+            )
+        if self.include or self.exclude:
+            raise ValueError("include / exclude select checkpoint tensors; lora: adapter sends the adapter whole: remove them")
 
     @property
     def trigger(self) -> tuple[str, float]:

@@ -270,7 +270,12 @@ class WeightSync:
         self.rank, self.world_size, self.collectives = rank, world_size, collectives
         cfg = self.config
         # The engine casts to the wire dtype (before any gather) from its config.
-        self.source = ModuleSource(module, submodule=cfg.module, include=cfg.include, exclude=cfg.exclude)
+        if cfg.lora == "adapter":
+            from wt_callbacks.lora.adapter import AdapterSource
+
+            self.source = AdapterSource(module, submodule=cfg.module)
+        else:
+            self.source = ModuleSource(module, submodule=cfg.module, include=cfg.include, exclude=cfg.exclude, lora=cfg.lora)
         self._verifier = Verifier.for_config(cfg, self.source) if cfg.verify_every_n_syncs else None
         if self._given_client is not None:
             self.client = self._given_client
@@ -468,9 +473,15 @@ class WeightSync:
             cfg.backend,
             cfg.backend_config(),
             cfg.init_info_for(self.rank),
-            client=self.client,
+            client=self._adapter_serving() if cfg.lora == "adapter" and self.rank == 0 else self.client,
             source=self.source,
         )
+
+    def _adapter_serving(self) -> VLLMWeightSyncClient:
+        """``lora: adapter``: the client that has the servers load each round's adapter."""
+        from wt_callbacks.lora.adapter import AdapterServingClient
+
+        return AdapterServingClient(self.client, self.config.lora_name, self.source, moe=self.source.layout.moe)
 
     def _build_client(self) -> VLLMWeightSyncClient:
         cfg = self.config

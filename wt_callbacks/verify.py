@@ -112,12 +112,13 @@ def teacher_forced_logprobs(model: torch.nn.Module, prompt: Sequence[int], token
 
 
 def query_servers(
-    urls: Sequence[str], probes: ProbeSet, *, timeout_s: float, api_key: str | None = None
+    urls: Sequence[str], probes: ProbeSet, *, timeout_s: float, api_key: str | None = None, model_name: str | None = None
 ) -> dict[str, list[tuple[list[int], list[float]]]]:
-    """Every server's greedy tokens and logprobs for every probe (rank 0 only)."""
+    """Every server's greedy tokens and logprobs for every probe (rank 0 only),
+    from ``model_name`` (a LoRA adapter a server serves) or the served model."""
     out = {}
     for url in urls:
-        name = served_model_name(url, timeout_s=timeout_s, api_key=api_key)
+        name = model_name or served_model_name(url, timeout_s=timeout_s, api_key=api_key)
         out[url] = [
             served_completion(url, name, prompt, probes.max_tokens, timeout_s=timeout_s, api_key=api_key)
             for prompt in probes.prompts
@@ -148,18 +149,21 @@ def _distance(served: float, expected: float) -> float:
 
 def served_logprob_diff(
     model: torch.nn.Module, urls: str | Sequence[str], *, timeout_s: float = 60.0, api_key: str | None = None,
-    probes: ProbeSet | None = None,
+    probes: ProbeSet | None = None, model_name: str | None = None,
 ) -> dict[str, float]:
     """Check what servers serve against ``model`` (a transformers causal LM), one process.
 
     Returns the largest |logprob difference| per server URL; about 1e-6 when
     a float32 server holds ``model``'s weights, whole nats when it does not.
+    ``model_name``: the served name to ask (a LoRA adapter's, for a PEFT
+    ``model`` synced with ``lora: adapter``); default the served model.
     For a sharded model use ``WeightSync``'s ``verify_every_n_syncs``, which
     runs the trainer's forward on every rank.
     """
     urls = [urls] if isinstance(urls, str) else list(urls)
     probes = probes or ProbeSet.for_vocab(vocab_size_of(model))
-    return max_logprob_diff(model, probes, query_servers(urls, probes, timeout_s=timeout_s, api_key=api_key))
+    answers = query_servers(urls, probes, timeout_s=timeout_s, api_key=api_key, model_name=model_name)
+    return max_logprob_diff(model, probes, answers)
 
 
 class Verifier:
@@ -167,14 +171,16 @@ class Verifier:
 
     Trainer rank 0 queries the servers and broadcasts their answers; every
     rank then runs the trainer model's forward on them (a collective when
-    the model is sharded) and the largest difference decides.
+    the model is sharded) and the largest difference decides. ``model_name``:
+    the served name to ask (``lora: adapter``'s ``lora_name``).
     """
 
     def __init__(
         self, model: torch.nn.Module, urls: Sequence[str], *, tolerance: float, timeout_s: float,
-        api_key: str | None = None, probes: ProbeSet | None = None,
+        api_key: str | None = None, probes: ProbeSet | None = None, model_name: str | None = None,
     ) -> None:  # fmt: skip
         self.model = model
+        self.model_name = model_name
         self.urls = list(urls)
         self.tolerance = tolerance
         self.timeout_s = timeout_s
@@ -200,6 +206,7 @@ class Verifier:
             model, config.servers, tolerance=tolerance, timeout_s=config.timeout_s,
             api_key=config.api_key or os.environ.get("VLLM_API_KEY") or None,
             probes=ProbeSet.for_vocab(vocab),
+            model_name=config.lora_name if config.lora == "adapter" else None,
         )  # fmt: skip
 
     def check(self, rank: int = 0, world_size: int = 1, collectives: Any = None) -> float:
@@ -209,7 +216,9 @@ class Verifier:
             RuntimeError: a server does not answer, or serves logprobs
                 further from the trainer's than ``tolerance``.
         """
-        answers = query_servers(self.urls, self.probes, timeout_s=self.timeout_s, api_key=self.api_key) if rank == 0 else None
+        answers = None
+        if rank == 0:
+            answers = query_servers(self.urls, self.probes, timeout_s=self.timeout_s, api_key=self.api_key, model_name=self.model_name)
         if world_size > 1:
             answers = collectives.broadcast(answers)
         diffs = max_logprob_diff(self.model, self.probes, answers)

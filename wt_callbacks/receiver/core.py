@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from wt_callbacks.checksums import module_checksums
+from wt_callbacks.receiver.adapters import ServedAdapters
 from wt_callbacks.transfer.base import ParamMeta, WeightTransferConfig, WeightTransferUpdatePayload, dtype_name
 from wt_callbacks.transfer.factory import WeightTransferEngineFactory
 from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout
@@ -270,6 +271,10 @@ class ReceiverCore:
         # One weight operation at a time, as vLLM's engine core runs them;
         # generation takes it too, so it never sees a half-applied round.
         self._lock = threading.Lock()
+        # LoRA adapters loaded by name (/v1/load_lora_adapter), applied to
+        # the base weights of ``_base_version``, counted per applied round.
+        self.adapters = ServedAdapters()
+        self._base_version = 0
         self._unpaused = threading.Event()
         self._unpaused.set()
         self.pause_mode: str | None = None
@@ -303,8 +308,10 @@ class ReceiverCore:
         tokens_as_ids: bool = False,
         temperature: float = 0.0,
         n: int = 1,
+        adapter: str | None = None,
     ) -> list[dict[str, Any]]:
-        """``n`` completions per prompt: greedy at ``temperature`` 0, else
+        """``n`` completions per prompt, from the model or, named by ``adapter``,
+        the model with that loaded LoRA adapter applied: greedy at ``temperature`` 0, else
         sampled (no top-k / top-p, as vLLM's defaults). Choices are in vLLM's
         order (``index = prompt * n + sample``); logprobs are of the model's
         raw distribution, as vLLM reports them by default.
@@ -343,10 +350,11 @@ class ReceiverCore:
         stop_ids = set() if ignore_eos or self.tokenizer is None else {self.tokenizer.eos_token_id}
         choices = []
         with self._lock, torch.no_grad():
+            model = self.model if adapter is None else self.adapters.model(adapter, self.model, self._base_version)
             for prompt_index, (ids, budget) in enumerate(inputs):
                 ids = ids.to(self.engine.device)
                 # One prompt, n rows: equal lengths, so no padding to mask.
-                out = self.model.generate(
+                out = model.generate(
                     ids.expand(n, -1),
                     attention_mask=torch.ones_like(ids).expand(n, -1),
                     max_new_tokens=budget,
@@ -457,6 +465,8 @@ class ReceiverCore:
                 raise
             self.engine.finish_weight_update()
             stage.commit()
+            if stage.tensors:  # an adapter round leaves the base as it was
+                self._base_version += 1
             self._stage = None
             self.engine.reset_weight_update_target()
             if weight_version is not None:
@@ -500,9 +510,22 @@ class ReceiverCore:
             # Over all files: a checkpoint is often split across several.
             stage.check_complete(names)
             stage.commit()
+            self._base_version += 1
 
     def update_weight_version(self, new_version: str) -> None:
         self.weight_version = new_version
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serve the adapter version at ``lora_path`` (a ``wt-lora://``
+        reference or a directory) to requests naming ``lora_name``, as vLLM's
+        ``/v1/load_lora_adapter`` with ``load_inplace`` (the name's previous
+        version is replaced)."""
+        with self._lock:
+            self.adapters.load(lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        with self._lock:
+            self.adapters.unload(lora_name)
 
     def weight_info(self) -> dict[str, Any]:
         return {
@@ -513,7 +536,11 @@ class ReceiverCore:
 
     def weight_checksums(self) -> dict[str, Any]:
         with self._lock:
-            return {"weight_version": self.weight_version, "checksums": module_checksums(self.model)}
+            return {
+                "weight_version": self.weight_version,
+                "checksums": module_checksums(self.model),
+                "adapters": self.adapters.checksums(),
+            }
 
     def shutdown(self) -> None:
         self.engine.shutdown()

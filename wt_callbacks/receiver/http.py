@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from wt_callbacks.receiver.adapters import AdapterNotFound
 from wt_callbacks.receiver.core import COMPLETION_PAUSE_WAIT_S, BadRequest, ReceiverCore
 from wt_callbacks.transfer.auth import bearer_matches, refusal
 from wt_callbacks.transfer.clients import API_KEY_ENV, PAUSE_MODES, api_key_or_env
@@ -19,6 +20,8 @@ from wt_callbacks.transfer.clients import API_KEY_ENV, PAUSE_MODES, api_key_or_e
 logger = logging.getLogger(__name__)
 
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+MAX_ADAPTER_RANK = 1 << 16
+"""The LoRA rank this receiver reports it serves: any (it applies adapters to a copy of its model)."""
 """vLLM 0.33's answer (503) to a new request while paused with ``abort`` or ``wait``."""
 
 
@@ -63,6 +66,10 @@ def build_app(core: ReceiverCore, model_name: str = "receiver", *, api_key: str 
     @app.exception_handler(BadRequest)
     async def refused(_: Request, exc: BadRequest) -> Any:
         return _error(400, str(exc))
+
+    @app.exception_handler(AdapterNotFound)
+    async def not_found(_: Request, exc: AdapterNotFound) -> Any:
+        return _error(404, str(exc))
 
     @app.middleware("http")
     async def errors_as_500(request: Request, call_next: Callable) -> Any:
@@ -173,7 +180,33 @@ def build_app(core: ReceiverCore, model_name: str = "receiver", *, api_key: str 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model"}]}
+        adapters = [{"id": n, "object": "model", "root": p, "parent": model_name} for n, p in core.adapters.names()]
+        return {"object": "list", "data": [{"id": model_name, "object": "model"}, *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    def load_lora_adapter(lora_name: str = Body(...), lora_path: str = Body(...), load_inplace: bool = Body(False)) -> Any:
+        if lora_name == model_name:
+            return _error(400, f"The lora adapter '{lora_name}' conflicts with a served base model.")
+        if lora_name in core.adapters and not load_inplace:
+            return _error(400, f"The lora adapter '{lora_name}' has already been loaded. If you want to load the adapter in place, set 'load_inplace' to True.")
+        try:
+            core.load_lora_adapter(lora_name, lora_path)
+        except ValueError as e:
+            return _error(400, str(e))
+        return Response(status_code=200, content=f"Success: LoRA adapter '{lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    def unload_lora_adapter(lora_name: str = Body(..., embed=True)) -> Any:
+        core.unload_lora_adapter(lora_name)
+        return Response(status_code=200, content=f"Success: LoRA adapter '{lora_name}' removed successfully.")
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        # The part of vLLM's answer a trainer reads: adapters are served at any rank.
+        return {
+            "vllm_config": {"lora_config": {"max_lora_rank": MAX_ADAPTER_RANK}, "device_config": {"device": str(core.engine.device)}},
+            "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": True},
+        }
 
     @app.post("/v1/completions")
     async def completions(body: dict[str, Any] = Body(...)) -> Any:
@@ -188,6 +221,10 @@ def build_app(core: ReceiverCore, model_name: str = "receiver", *, api_key: str 
             value = body.get(key, default)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 return _error(400, f"{key} must be a positive integer")
+        requested = body.get("model")
+        adapter = requested if requested not in (None, model_name) else None
+        if adapter is not None and adapter not in core.adapters:
+            return _error(404, f"The model `{requested}` does not exist.")
         if core.refuses_new_requests:
             return _error(503, PAUSED_MESSAGE)
         # Wait out a `keep` pause here, on the event loop: a worker thread parked
@@ -205,9 +242,10 @@ def build_app(core: ReceiverCore, model_name: str = "receiver", *, api_key: str 
                 tokens_as_ids=bool(body.get("return_tokens_as_token_ids", False)),
                 temperature=float(temperature),
                 n=body.get("n", 1),
+                adapter=adapter,
             )
         )
-        return {"object": "text_completion", "model": model_name, "choices": choices}
+        return {"object": "text_completion", "model": requested or model_name, "choices": choices}
 
     @app.get("/is_paused")
     async def is_paused() -> dict:

@@ -181,6 +181,7 @@ class HTTPVLLMWeightSyncClient:
         call: str,
         json: Any = None,
         params: Mapping[str, Any] | None = None,
+        not_found: str = DEV_MODE_HINT,
     ) -> Any:
         import requests
 
@@ -210,7 +211,7 @@ class HTTPVLLMWeightSyncClient:
                 # a spurious ConnectionError. Drop the pool: the next call reconnects.
                 self._sessions[i].close()
             if response.status_code == 404:
-                detail = DEV_MODE_HINT
+                detail = not_found
             elif response.status_code in (401, 403):
                 detail = f"the server refused the token: pass api_key= or set {API_KEY_ENV}"
             else:
@@ -299,6 +300,34 @@ class HTTPVLLMWeightSyncClient:
 
     def update_weight_version(self, new_version: str) -> None:
         self._all("POST", "update_weight_version", call="update_weight_version", json={"new_version": new_version})
+
+    def server_info(self) -> list[dict[str, Any] | None]:
+        """``GET /server_info?config_format=json`` of every server (vLLM's
+        config and environment, dev mode), ``None`` for a server without it."""
+
+        def one(i: int) -> dict[str, Any] | None:
+            try:
+                return self._request(i, "GET", "server_info", call="server_info", params={"config_format": "json"})
+            except WeightSyncHTTPError as e:
+                if e.status == 404:
+                    return None
+                raise
+
+        return self._fan_out.map(one, len(self.base_urls))
+
+    def load_lora_adapter(self, lora_name: str, lora_paths: Sequence[str]) -> None:
+        """``POST /v1/load_lora_adapter`` on every server: ``lora_paths[i]`` as
+        ``lora_name`` on server ``i``, replacing the adapter already under that name."""
+        if len(lora_paths) != len(self.base_urls):
+            raise ValueError(f"lora_paths has {len(lora_paths)} entries for {len(self.base_urls)} servers")
+        hint = "no such route or adapter (the route needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora)"
+        self._fan_out.map(
+            lambda i: self._request(
+                i, "POST", "v1/load_lora_adapter", call="load_lora_adapter", not_found=hint,
+                json={"lora_name": lora_name, "lora_path": lora_paths[i], "load_inplace": True},
+            ),
+            len(self.base_urls),
+        )  # fmt: skip
 
     def close(self) -> None:
         self._fan_out.close()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,15 +204,21 @@ class CheckpointLayout:
     LightningModule holding one at ``self.model``): each outermost
     transformers model converts the names under its path; everything else is
     sent as it is. Groups carry full names.
+
+    ``rename`` maps a module's checkpoint path to the one the sent names use
+    (a PEFT model's base path, ``LoraLayout.module_base``; ``None``: a module
+    that is not sent).
     """
 
-    def __init__(self, root: torch.nn.Module) -> None:
+    def __init__(self, root: torch.nn.Module, rename: Callable[[str], str | None] | None = None) -> None:
         from wt_callbacks.naming import checkpoint_name
 
         self.formats: list[tuple[str, CheckpointFormat]] = []
         claimed: list[str] = []
         for raw, sub in root.named_modules():
-            name = checkpoint_name(raw)
+            name = checkpoint_name(raw) if rename is None else rename(checkpoint_name(raw))
+            if name is None:
+                continue
             # A model's conversions cover its sub-models (a vision tower, say):
             # only the outermost transformers model of a subtree counts.
             if any(c == "" or name == c or name.startswith(c + ".") for c in claimed):

@@ -56,6 +56,11 @@ class FSDP1Units(ParameterGather):
     units whose views the transport still holds, and gloo's own copy of the
     unit while it gathers on a CPU, come on top).
 
+    LoRA: a weight in ``merges`` is sent merged with its factors
+    (``wt_callbacks.lora.merge``): its unit is gathered in its own dtype and
+    the weight merged in float32 before the cast; factors in other units
+    (PEFT's ``fsdp_auto_wrap_policy`` wraps each one) are gathered first.
+
     Names: a parameter is named by its first path in ``named_parameters()``
     of the module given, as ``ModuleSource`` names an unwrapped model's, so
     a weight tied across units (``use_orig_params=True`` registers the one
@@ -146,17 +151,53 @@ class FSDP1Units(ParameterGather):
 
     def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         wanted = set(names)
-        for unit in self._units:
+        ahead: dict[str, torch.Tensor] = {}
+        for position, unit in enumerate(self._units):
             picked = [(n, i) for n, i in zip(unit.names, unit.indices) if n in wanted]
             if not picked:
                 continue
-            originals = _unshard(unit.fsdp, dtype)
+            merges = [self.merges[n] for n, _ in picked if n in self.merges]
+            if not merges:
+                originals = _unshard(unit.fsdp, dtype)
+                for name, index in picked:
+                    yield name, originals[index]
+                del originals
+                continue
+            # A unit holding LoRA-targeted weights is gathered in its own
+            # dtype: they are merged in float32, then cast. Their factors may
+            # sit in other units (PEFT's auto-wrap policy wraps each factor):
+            # those are gathered first, on every rank in the same order.
+            factors = {f for m in merges for f in m.factors}
+            ahead.update(self._factors_elsewhere(factors - set(unit.names) - set(ahead), position))
+            originals = _unshard(unit.fsdp, None)
+            held = {**ahead, **{n: originals[i] for n, i in zip(unit.names, unit.indices)}}
             for name, index in picked:
-                yield name, originals[index]
-            del originals
+                merge = self.merges.get(name)
+                if merge is None:
+                    yield name, in_wire_dtype(originals[index], dtype)
+                else:
+                    yield name, merge.full(originals[index], held).to(dtype if dtype is not None else originals[index].dtype)
+            del originals, held
         for name in names:
             if name in self._plain:
-                yield name, in_wire_dtype(self._plain[name].detach(), dtype)
+                merge = self.merges.get(name)
+                tensor = self._plain[name].detach()
+                if merge is not None:
+                    held = {**ahead, **{f: self._plain[f].detach() for f in merge.factors if f in self._plain}}
+                    yield name, merge.full(tensor, held).to(dtype if dtype is not None else tensor.dtype)
+                else:
+                    yield name, in_wire_dtype(tensor, dtype)
+
+    def _factors_elsewhere(self, factors: set[str], position: int) -> dict[str, torch.Tensor]:
+        """The LoRA factors among ``factors`` that units other than the one at
+        ``position`` hold, gathered now (in their own dtype), a unit at a time."""
+        found: dict[str, torch.Tensor] = {}
+        for unit in self._units[:position] + self._units[position + 1 :]:
+            held = [(n, i) for n, i in zip(unit.names, unit.indices) if n in factors]
+            if held:
+                originals = _unshard(unit.fsdp, None)
+                found.update({n: originals[i] for n, i in held})
+        return found
 
 
 def _unshard(unit: torch.nn.Module, dtype: torch.dtype | None) -> list[torch.Tensor]:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wt_callbacks.lora.merge import Merge
 from wt_callbacks.transfer.weight_source import ParamMeta
 from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype
 from wt_callbacks.transfer.validation import check_positive
@@ -245,6 +246,9 @@ class FSDP2Shards(ParameterGather):
         bucket: _Bucket | None = None
         for name in names:
             tensor = params[name]
+            merge = self.merges.get(name)
+            if merge is not None:
+                tensor = self._merged(merge, tensor, params, dtype)
             plan = _gather_plan(tensor, self._mesh_groups)
             if plan is None:
                 if bucket is not None:
@@ -278,6 +282,30 @@ class FSDP2Shards(ParameterGather):
                 bucket.part_bytes += size
         if bucket is not None:
             yield bucket
+
+    def _merged(self, merge: Merge, tensor: torch.Tensor, params: dict[str, Any], dtype: torch.dtype | None) -> torch.Tensor:
+        """``tensor`` (a LoRA-targeted base weight) merged with its factors
+        (``wt_callbacks.lora.merge``), in the wire dtype: the rows this rank
+        holds under ``Shard(0)``, as a ``DTensor`` gathered like any other (so
+        only the wire dtype's bytes move); a plain full tensor for other
+        placements, or a merge that needs every row (DoRA on a transposed
+        layout). The factors are gathered whole first: a collective, in the
+        plan's order on every rank."""
+        from torch.distributed.tensor import DTensor
+
+        factors = {n: _full(params[n]) for n in merge.factors}
+        out = dtype if dtype is not None else tensor.dtype
+        plan = _gather_plan(tensor, self._mesh_groups)
+        if plan is None or not merge.row_local:
+            return merge.full(_full(tensor), factors).to(out)
+        _, world, coordinate = plan
+        with torch.no_grad():
+            local = tensor.to_local()
+            start = coordinate * -(-tensor.shape[0] // world)
+            merged = merge.rows(local, start, start + local.shape[0], factors).to(out)
+        return DTensor.from_local(
+            merged, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
 
     def _buffer(self, role: str, parity: int, device: torch.device, nbytes: int) -> torch.Tensor:
         if device.type != "cpu":  # the caching allocator reuses freed blocks
@@ -357,4 +385,11 @@ class FSDP2Shards(ParameterGather):
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a parameter (``full_tensor()`` of a ``DTensor``: a collective)."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    with torch.no_grad():
+        return full_tensor() if callable(full_tensor) else tensor.detach()
 

@@ -11,7 +11,10 @@ framework holds it. Four concerns, each in its own room:
   such as ``module.`` or ``_orig_mod.`` stripped;
 * the checkpoint format (``sources.checkpoint_format``): transformers'
   in-memory conversions undone per tensor group;
-* selection: ``include`` / ``exclude`` on the names sent.
+* selection: ``include`` / ``exclude`` on the names sent;
+* a PEFT (LoRA) model (``wt_callbacks.lora``): its base checkpoint's names,
+  each LoRA-targeted tensor merged with its factors by the gatherer, where
+  the scheme holds it (``lora: merge``).
 
 The plan linking them (which parameters feed which sent tensors) is built
 from names and shapes alone, so ``metadata()`` never gathers, and it is
@@ -27,9 +30,11 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 
+from wt_callbacks.lora.layout import LoraLayout
 from wt_callbacks.naming import checkpoint_name, find_submodule
 from wt_callbacks.transfer.weight_source import Metadata, ParamMeta, WeightSource
 from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout, ConversionGroup
@@ -43,13 +48,16 @@ logger = logging.getLogger(__name__)
 class _Plan:
     """What one round gathers and sends, derived from the parameters' metadata."""
 
-    key: tuple[ParamMeta, ...]
+    key: tuple[Any, ...]
     gather_names: tuple[str, ...]
     """Parameter names as the module holds them, to gather, in stream order."""
     buffer_names: tuple[str, ...]
     """Persistent buffers to send after them (whole on every rank)."""
     groups: tuple[ConversionGroup, ...]
     """The groups with at least one sent output, in completion order."""
+    names: dict[str, str]
+    """Checkpoint-format inputs of ``groups`` by the names held (wrapper
+    segments stripped; a PEFT model's base names)."""
     sent: frozenset[str]
     unselected: frozenset[str]
 
@@ -82,12 +90,16 @@ class ModuleSource(WeightSource):
         include: ``fnmatch`` patterns; a sent name is kept if it matches one
             (empty: all).
         exclude: ``fnmatch`` patterns; a sent name matching one is dropped.
+        lora: for a PEFT model, ``"merge"`` (the default) sends the base
+            checkpoint with the active adapters merged in; ``None`` detects
+            the PEFT model. (``lora: adapter`` is ``wt_callbacks.lora.adapter.AdapterSource``.)
 
     Raises:
         ValueError: at construction, naming what to fix: an unknown
             submodule, two parameters with one checkpoint name, patterns that
             leave nothing to send, a sharding scheme that cannot be gathered,
-            a conversion transformers cannot reverse.
+            a conversion transformers cannot reverse, a PEFT model that
+            cannot be merged (``LoraLayout.check_merge``).
 
     Every trainer rank must build and iterate the same source: gathers are
     collectives.
@@ -101,7 +113,10 @@ class ModuleSource(WeightSource):
         submodule: str | None = None,
         include: Sequence[str] = (),
         exclude: Sequence[str] = (),
+        lora: str | None = None,
     ) -> None:
+        if lora not in (None, "merge"):
+            raise ValueError(f"lora={lora!r}: ModuleSource sends lora: merge; lora: adapter is AdapterSource")
         self._module = module
         self._dtype = dtype
         self._submodule = submodule
@@ -110,7 +125,15 @@ class ModuleSource(WeightSource):
         self._root = find_submodule(module, submodule)
         self._gather: ParameterGather = gather_for(module, submodule)
         self._held_by = sharding_scheme(module, self._root)
-        self._layout = CheckpointLayout(self._root)
+        self.lora = LoraLayout.of(self._root)
+        if self.lora is None and lora is not None:
+            raise ValueError(
+                f"lora: {lora}: module={submodule!r} ({type(self._root).__name__}) holds no PEFT model; remove lora "
+                "(or give module: the path of the PEFT model)"
+            )
+        if self.lora is not None:
+            self.lora.check_merge()
+        self._layout = CheckpointLayout(self._root, rename=None if self.lora is None else self.lora.module_base)
         self._plan_cache: _Plan | None = None
         plan = self._plan()
         for key, patterns in (("include", self.include), ("exclude", self.exclude)):
@@ -189,15 +212,14 @@ class ModuleSource(WeightSource):
 
     def _sent(self, gather_dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         plan = self._plan()
-        raw_to_name = {raw: checkpoint_name(raw) for raw in plan.gather_names + plan.buffer_names}
-        gathered = ((raw_to_name[raw], t) for raw, t in self._gather.gather(plan.gather_names, gather_dtype))
+        gathered = ((plan.names[raw], t) for raw, t in self._gather.gather(plan.gather_names, gather_dtype))
         buffers = persistent_buffers(self._root)
-        whole = ((raw_to_name[raw], in_wire_dtype(buffers[raw].detach(), gather_dtype)) for raw in plan.buffer_names)
+        whole = ((plan.names[raw], in_wire_dtype(buffers[raw].detach(), gather_dtype)) for raw in plan.buffer_names)
         yield from self._convert(plan, itertools.chain(gathered, whole))
 
     # -- the plan --------------------------------------------------------------
 
-    def _wire(self, dtype: torch.dtype) -> torch.dtype:
+    def in_wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self._dtype if self._dtype is not None and dtype.is_floating_point else dtype
 
     def _selected(self, name: str) -> bool:
@@ -211,13 +233,23 @@ class ModuleSource(WeightSource):
             self._gather, self._held_by = gather_for(self._module, self._submodule), held_by
         buffers = persistent_buffers(self._root)
         held = self._gather.parameters() + [ParamMeta(n, b.dtype, tuple(b.shape)) for n, b in buffers.items()]
-        key = tuple(ParamMeta(m.name, self._wire(m.dtype), m.shape) for m in held)
+        metas_held = tuple(ParamMeta(m.name, self.in_wire_dtype(m.dtype), m.shape) for m in held)
+        key = (metas_held, None if self.lora is None else self.lora.state())
         if self._plan_cache is not None and self._plan_cache.key == key:
             return self._plan_cache
+        if self.lora is not None and self._plan_cache is not None:
+            # Another adapter active, or one merged in place: other merges.
+            self.lora = LoraLayout.of(self._root)
+            assert self.lora is not None
+            self.lora.check_merge()
         origin: dict[str, str] = {}
         metas = []
-        for m in key:
+        for m in metas_held:
             name = checkpoint_name(m.name)
+            if self.lora is not None:
+                name = self.lora.base_name(name)
+                if name is None:  # an adapter's own tensor: merged into its base tensor
+                    continue
             if name in origin:
                 raise ValueError(
                     f"parameters {origin[name]!r} and {m.name!r} both become {name!r} once wrapper "
@@ -237,11 +269,18 @@ class ModuleSource(WeightSource):
             )
         kept = tuple(g for g in groups if any(o.name in sent for o in g.outputs))
         needed = {i for g in kept for i in g.inputs}
+        if self.lora is not None:
+            # The gatherer merges, in the names it holds, where the scheme keeps the rows.
+            raw = {checkpoint_name(m.name): m.name for m in held}
+            self._gather.merges = {
+                raw[n]: merge.renamed(raw) for n, merge in self.lora.merges.items() if self.lora.base_name(n) in needed
+            }
         self._plan_cache = _Plan(
             key=key,
             gather_names=tuple(origin[m.name] for m in metas if m.name in needed and origin[m.name] not in buffers),
             buffer_names=tuple(origin[m.name] for m in metas if m.name in needed and origin[m.name] in buffers),
             groups=kept,
+            names={raw: name for name, raw in origin.items()},
             sent=sent,
             unselected=frozenset(outputs - sent),
         )

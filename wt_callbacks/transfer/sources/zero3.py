@@ -28,7 +28,8 @@ class Zero3Groups(ParameterGather):
     A group collects parameters in order until its full size (``ds_numel``
     times the element size) exceeds ``group_bytes``, the chunk cut rule of
     the packed transport, so it is at most ``group_bytes`` plus one
-    parameter. Peak extra memory: one group plus the copies the transport
+    parameter. A LoRA-targeted weight in ``merges`` is gathered in the same
+    group as its factors and sent merged (``wt_callbacks.lora.merge``). Peak extra memory: one group plus the copies the transport
     still holds. Parameters ZeRO-3 keeps whole (below
     ``stage3_param_persistence_threshold``) are already available and
     gathered by nobody, as ``GatheredParameters`` does.
@@ -63,9 +64,12 @@ class Zero3Groups(ParameterGather):
         current: list[str] = []
         size = 0
         for name in names:
-            param = self._params[name]
             current.append(name)
-            size += int(getattr(param, "ds_numel", param.numel())) * param.element_size()
+            merge = self.merges.get(name)
+            # A LoRA-merged weight is gathered with its factors, in one group.
+            for held in (name, *(merge.factors if merge is not None else ())):
+                param = self._params[held]
+                size += int(getattr(param, "ds_numel", param.numel())) * param.element_size()
             if size > self.group_bytes:
                 groups.append(current)
                 current, size = [], 0
@@ -86,13 +90,18 @@ class Zero3Groups(ParameterGather):
         import deepspeed
 
         for group in self.groups(names):
-            params = [self._params[name] for name in group]
+            factors = list(dict.fromkeys(f for n in group if n in self.merges for f in self.merges[n].factors))
+            params = [self._params[name] for name in (*group, *factors)]
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 for name, param in zip(group, params):
                     if not keep:
                         yield name, None
                         continue
                     full = param.detach()
+                    merge = self.merges.get(name)
+                    if merge is not None:  # W, A and B gathered together, merged in float32, then cast
+                        yield name, merge.full(full, self._params).to(dtype if dtype is not None else full.dtype)
+                        continue
                     sent = in_wire_dtype(full, dtype)
                     # A copy either way: the context frees the gathered data on exit.
                     yield name, sent if sent is not full else full.clone()

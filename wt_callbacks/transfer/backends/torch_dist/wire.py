@@ -202,12 +202,19 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
 @dataclass
 class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     """Per-round update dict: the tensors that follow on the wire, in order,
-    and the ``session_id`` of the session they belong to (see ``session``)."""
+    and the ``session_id`` of the session they belong to (see ``session``).
+
+    ``lora``: set when the tensors are a LoRA adapter, not model weights
+    (``wt_callbacks.lora``): ``{"name", "version", "config"}``, the name it is
+    served under, its version in the session and its ``adapter_config.json``.
+    The worker writes it as that version (``lora.files``) instead of loading
+    it into the model."""
 
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
     session_id: str | None = None
+    lora: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -223,6 +230,13 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         for i, shape in enumerate(self.shapes):
             if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise ValueError(f"shapes[{i}] ({self.names[i]}) must be a list of non-negative ints, got {shape!r}")
+        if self.lora is not None:
+            from wt_callbacks.lora.files import check_component
+
+            if set(self.lora) != {"name", "version", "config"} or not isinstance(self.lora["config"], dict):
+                raise ValueError("lora must be {\"name\": str, \"version\": str, \"config\": {...}}")
+            check_component("lora.name", self.lora["name"])
+            check_component("lora.version", self.lora["version"])
 
 
 def check_names_unique(names: Iterable[str], *, key: str) -> None:
