@@ -87,6 +87,8 @@ class WeightSyncCallback(Callback):
         api_key: str | None = None,
         verify_every_n_syncs: int | None = None,
         verify_tolerance: float | None = None,
+        lora: str | None = None,
+        lora_name: str | None = None,
         hparams_key: str = "weight_sync",
         client: Any = None,
     ) -> None:

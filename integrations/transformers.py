@@ -128,6 +128,8 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         api_key: str | None = None,
         verify_every_n_syncs: int | None = None,
         verify_tolerance: float | None = None,
+        lora: str | None = None,
+        lora_name: str | None = None,
         hparams: Any = None,
         hparams_key: str = "weight_sync",
         client: Any = None,

@@ -478,10 +478,13 @@ class WeightSync:
         )
 
     def _adapter_serving(self) -> VLLMWeightSyncClient:
-        """``lora: adapter``: the client that has the servers load each round's adapter."""
+        """``lora: adapter``: the client that has the servers load each round's
+        adapter, once they said they can serve it (before any rendezvous)."""
         from wt_callbacks.lora.adapter import AdapterServingClient
 
-        return AdapterServingClient(self.client, self.config.lora_name, self.source, moe=self.source.layout.moe)
+        serving = AdapterServingClient(self.client, self.config.lora_name, self.source, moe=self.source.layout.moe)
+        serving.check_servers()
+        return serving
 
     def _build_client(self) -> VLLMWeightSyncClient:
         cfg = self.config

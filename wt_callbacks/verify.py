@@ -60,7 +60,8 @@ def vocab_size_of(model: torch.nn.Module) -> int:
             "verification compares the servers' logprobs with the trainer model's: set module: to the "
             "submodule that is the served transformers model, or turn verification off"
         )
-    return int(head.weight.shape[0])
+    # ZeRO-3 partitions the weight (its shape is then empty): its full shape is ds_shape.
+    return int(getattr(head.weight, "ds_shape", head.weight.shape)[0])
 
 
 def served_completion(

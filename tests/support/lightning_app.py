@@ -76,12 +76,17 @@ class ToyLMModule(pl.LightningModule):
     for syncing into a real vLLM server serving the same architecture."""
 
     def __init__(
-        self, weight_sync: dict, shard: bool = False, step_sleep_s: float = 0.0, family: str | None = None
-    ) -> None:
+        self, weight_sync: dict, shard: bool = False, step_sleep_s: float = 0.0, family: str | None = None,
+        peft: dict | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters()
         self.tokenizer = toy_task.build_tokenizer()
         self.model = tiny_lms.TINY_LMS[family](seed=0) if family else toy_task.build_model(self.tokenizer, seed=0)
+        if peft is not None:  # a LoRA of the model, as PEFT users write it: self.model = get_peft_model(...)
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.model, LoraConfig(**peft))
         self._rng = random.Random(0)
 
     def configure_model(self) -> None:
@@ -90,7 +95,7 @@ class ToyLMModule(pl.LightningModule):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
-        blocks = next(m for m in self.model.base_model.children() if isinstance(m, torch.nn.ModuleList))
+        blocks = next(m for m in self.model.modules() if isinstance(m, torch.nn.ModuleList))  # the decoder layers
         for layer in blocks:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
@@ -163,6 +168,7 @@ def run(
     log_every_n_steps: int = 50,
     task: str = "regression",
     family: str | None = None,
+    peft: dict | None = None,
     state_out: str | None = None,
 ) -> dict:
     """Fit ``TinyModule`` with a ``WeightSyncCallback``; returns what rank 0 saw."""
@@ -194,7 +200,8 @@ def run(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    module = TASKS[task](weight_sync, shard=shard, step_sleep_s=step_sleep_s, **({"family": family} if family else {}))
+    options = {**({"family": family} if family else {}), **({"peft": peft} if peft else {})}
+    module = TASKS[task](weight_sync, shard=shard, step_sleep_s=step_sleep_s, **options)
     trainer.fit(module, DataLoader(RandomRegression(batches), batch_size=8), ckpt_path=resume_from)
     if state_out:
         # Full tensors (a gather per sharded parameter: every rank), saved by rank 0.
@@ -220,6 +227,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--task", choices=sorted(TASKS), default="regression")
     parser.add_argument("--family", choices=sorted(tiny_lms.TINY_LMS), help="with --task toy-lm: the model family")
+    parser.add_argument("--peft", help="with --task toy-lm: JSON of a peft.LoraConfig wrapping the model")
     parser.add_argument("--state-out", help="save the trained model's full state dict here (rank 0)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -232,6 +240,7 @@ def main() -> None:
         accumulate=args.accumulate,
         task=args.task,
         family=args.family,
+        peft=json.loads(args.peft) if args.peft else None,
         state_out=args.state_out,
     )
     if result["rank"] == 0:

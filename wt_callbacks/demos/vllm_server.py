@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,11 +144,13 @@ def start_vllm_server(
     timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     port: int | None = None,
     api_key: str | None = None,
+    extra_args: Sequence[str] = (),
 ) -> VLLMServer:
     """Start a server (on a free port unless ``port``) and wait (at most
     ``timeout_s``) for ``/health``.
 
-    ``backend=None`` starts it without a weight-transfer config. ``api_key``
+    ``backend=None`` starts it without a weight-transfer config; ``extra_args``
+    go to vLLM's command line as they are (``["--enable-lora", ...]``). ``api_key``
     goes into its environment as ``VLLM_API_KEY``: vLLM guards ``/v1`` with
     it, ``VLLM_AUTH_MIDDLEWARE`` every other route but ``/health``, and our
     worker engine wants a proof of it at init. Raises
@@ -170,6 +173,7 @@ def start_vllm_server(
         cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
     if api_key:
         cmd += ["--middleware", VLLM_AUTH_MIDDLEWARE]
+    cmd += list(extra_args)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

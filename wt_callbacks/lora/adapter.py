@@ -15,8 +15,8 @@ version its own adapter id and path, so no request is served a stale
 version, and keeps a version's files while any request may still read them
 (``integrations/vllm_lora.py``).
 
-Before the first round the servers are asked whether they can serve it
-(``GET /server_info``): a server started without ``--enable-lora``, without
+Before the rendezvous the servers are asked whether they can serve it
+(``GET /server_info``, ``AdapterServingClient.check_servers``): a server started without ``--enable-lora``, without
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, with ``--max-lora-rank`` below the
 adapter's rank, or one that cannot apply LoRA to the model (MoE experts on
 vLLM's CPU backend) is refused there, naming the flag or ``lora: merge``.
@@ -133,7 +133,6 @@ class AdapterServingClient:
         self._moe = moe
         self._tags: list[str] = []
         self._version = 0
-        self._checked = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -141,9 +140,6 @@ class AdapterServingClient:
     # -- VLLMWeightSyncClient ----------------------------------------------
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        if not self._checked:
-            self.check_servers()
-            self._checked = True
         urls = self._client.base_urls
         offsets = (
             [init_info.get("rank_offset", 1)]
@@ -183,7 +179,7 @@ class AdapterServingClient:
     # -- the servers' LoRA support ------------------------------------------
 
     def check_servers(self) -> None:
-        """Refuse, before anything is sent, a server that cannot serve this adapter.
+        """Refuse a server that cannot serve this adapter; call before the rendezvous.
 
         Raises:
             WeightTransferError: naming the server flag to add, or ``lora: merge``.
