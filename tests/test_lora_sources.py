@@ -22,7 +22,6 @@ import copy
 import datetime
 import json
 import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.support.lora import trained
 from wt_callbacks.demos import tiny_lms
 from wt_callbacks.demos.multiprocess import free_port, leave_group_together
 from wt_callbacks.lora.adapter import AdapterSource
@@ -37,19 +37,6 @@ from wt_callbacks.transfer import ModuleSource
 
 peft = pytest.importorskip("peft")
 TIMEOUT = datetime.timedelta(seconds=120)
-
-
-def trained(model: torch.nn.Module, config, seed: int = 3) -> torch.nn.Module:
-    """``get_peft_model`` with its adapters moved off their initial values (PEFT starts B, and so every delta, at 0)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = peft.get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in pm.named_parameters():
-            if param.requires_grad:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    return pm
 
 
 CASES = {

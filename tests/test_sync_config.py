@@ -224,3 +224,23 @@ def test_adapter_keyword_arguments_are_the_sync_config_fields(adapter):
     assert [p.name for p in overrides] == fields
     assert all(p.default is None and p.kind is inspect.Parameter.KEYWORD_ONLY for p in overrides)
     assert set(parameters) - set(fields) <= {"self", "trainer", "hparams", "hparams_key", "client"}
+
+
+def test_lora_keys():
+    assert SyncConfig(servers=[URL]).lora is None  # a PEFT model merges (the module decides, at setup)
+    adapter = SyncConfig(servers=[URL], lora="adapter", lora_name="policy")
+    assert (adapter.lora, adapter.lora_name) == ("adapter", "policy")
+    for keys, message in (
+        ({"lora": "merged"}, r"lora='merged' is not one of \('merge', 'adapter'\); did you mean 'merge'\?"),
+        ({"lora": "adapter"}, r"lora: adapter needs lora_name: the model name requests give"),
+        ({"lora_name": "policy"}, r"lora_name names the adapter lora: adapter serves; set lora: adapter or remove lora_name"),
+        ({"lora": "adapter", "lora_name": "../etc"}, r"lora_name='../etc' must be 1-128 characters of letters, digits"),
+        ({"lora": "adapter", "lora_name": "p", "exclude": ["*.bias"]}, r"lora: adapter sends the adapter whole: remove them"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            SyncConfig(servers=[URL], **keys)
+    with pytest.raises(ValueError, match=r"lora: adapter has the servers load each version over HTTP .* not ray_actors"):
+        SyncConfig(ray_actors=["vllm-0"], lora="adapter", lora_name="policy")
+    # A learning rate beside a section key is no typo of "lora": the container is refused as mixed.
+    with pytest.raises(ValueError, match=r"^weight_sync: these hyperparameters have no 'weight_sync' key, and they mix"):
+        SyncConfig.from_hparams({"lr": 1e-3, "dtype": "bfloat16"}, servers=[URL])

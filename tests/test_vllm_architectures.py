@@ -30,6 +30,7 @@ import torch
 
 from tests.support import REPO_ROOT
 from tests.support.lightning_app import run as lightning_run
+from tests.support.lora import trained
 from tests.support.vllm import bf16_rounded
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import tiny_lms, toy_task
@@ -205,6 +206,33 @@ def test_family_serves_the_trained_weights(family: str, pool: ServerPool, probes
     assert exact <= FP32_ATOL, f"{family}: a bf16 wire did not deliver the bf16-rounded weights ({exact:.2e})"
     assert bf16 <= BF16_ATOL
     print(f"ARCH {family}: stale {stale:.2f}, fp32 wire {fp32:.1e}, bf16 wire {bf16:.1e} (vs bf16-rounded {exact:.1e})")
+    if family in PEFT_MERGED:
+        merged = served_peft_merge(server, family, probes)
+        print(f"LORA merge {family} ({', '.join(PEFT_MERGED[family])}): {merged:.1e}")
+
+
+PEFT_MERGED = {
+    "gpt2": {"target_modules": ["c_attn", "c_fc"], "fan_in_fan_out": True, "use_dora": True},
+    "qwen3_moe": {
+        "target_modules": ["q_proj", "o_proj"], "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        "modules_to_save": ["lm_head"],
+    },
+}
+"""Families whose PEFT models are checked in merge mode (vLLM serves no adapter
+of them on a CPU): GPT-2's Conv1D (fan-in-fan-out) with DoRA; Qwen3-MoE's
+packed experts (``target_parameters``, merged, then split per expert) and a
+trained copy of its head (``modules_to_save``)."""
+
+
+def served_peft_merge(server: VLLMServer, family: str, probes: ProbeSet) -> float:
+    """A PEFT model of ``family`` (adapters moved off their zero start) pushed
+    merged: vLLM serves its logprobs, as the base model, within ``FP32_ATOL``."""
+    peft = pytest.importorskip("peft")
+    model = trained(tiny_lms.TINY_LMS[family](seed=0), peft.LoraConfig(r=4, **PEFT_MERGED[family])).eval()
+    push(server, model, 8, verify_every_n_syncs=1, verify_tolerance=FP32_ATOL)
+    diff = served_diff(server, model, probes)
+    assert diff <= FP32_ATOL, f"{family}: vLLM serves logprobs {diff:.2e} away from the PEFT model"
+    return diff
 
 
 def test_moe_through_two_fsdp2_ranks(pool: ServerPool, probes: ProbeSet, tmp_path: Path) -> None:

@@ -314,7 +314,8 @@ def shared_resume_state_error(callback: str, hparams_key: str, module: str | Non
 
 
 def _field_or_near_miss(key: Any, fields: set[str]) -> bool:
-    return key in fields or bool(difflib.get_close_matches(str(key), fields, n=1))
+    # 0.7, not difflib's 0.6: a learning rate's "lr" is 0.67 from "lora".
+    return key in fields or bool(difflib.get_close_matches(str(key), fields, n=1, cutoff=0.7))
 
 
 def _as_mapping(obj: Any, *, what: str) -> dict[str, Any]:

@@ -55,6 +55,21 @@ def peft_model(config: dict, state: dict[str, torch.Tensor] | None = None) -> to
     return model.eval()
 
 
+def trained(model: torch.nn.Module, config, seed: int = 3) -> torch.nn.Module:
+    """``get_peft_model`` with its adapters moved off their initial values (PEFT starts B, and so every delta, at 0)."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in pm.named_parameters():
+            if param.requires_grad:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    return pm
+
+
 def section(url: str, **keys: Any) -> dict[str, Any]:
     """A ``weight_sync`` section verifying every round within ``TOLERANCE``."""
     return {"servers": [url], "timeout_s": ROUND_TIMEOUT_S, "verify_every_n_syncs": 1, "verify_tolerance": TOLERANCE, **keys}
