@@ -27,5 +27,7 @@ if [ "${WT_SKIP_VLLM:-0}" != "1" ]; then
     "$PY" benchmarks/soak.py --target vllm --rounds 300 --at 10,100,300 --out "$OUT/soak_vllm.json"
   WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \
     "$PY" benchmarks/sync_under_load.py --target vllm --out "$OUT/sync_under_load.json"
+  WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \
+    "$PY" benchmarks/lora_sync.py --out "$OUT/lora_sync.json"
 fi
 echo "results in $OUT/"

@@ -74,3 +74,14 @@ def test_sync_under_load_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert result["rounds"] >= 1 and result["failed_rounds"] == 0
     assert sum(c["requests"] for c in result["requests"].values()) > 0
+
+
+def test_lora_sync_smoke(tmp_path):
+    pytest.importorskip("peft")
+    out = tmp_path / "lora.json"
+    shape = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "2", "--kv-heads", "1", "--vocab", "1000"]
+    run("benchmarks/lora_sync.py", "--target", "receiver", *shape, "--rank", "4", "--rounds", "1", "--out", str(out))
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"adapter", "merge", "full"}
+    assert rows["adapter"]["bytes_per_round"] < rows["merge"]["bytes_per_round"] == rows["full"]["bytes_per_round"]
+    assert all(r["verify_max_logprob_diff"] <= 0.1 for r in rows.values())
