@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [run_mode(mode, url, args, pids) for mode in MODES]
     finally:
         stop()
+        shutil.rmtree(work, ignore_errors=True)
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "rank")}
     result = {"target": args.target, "params": params, "shape": shape, "wire": "bfloat16", "rows": rows, "seconds": time.time() - started}
     args.out.write_text(json.dumps(result, indent=2))

@@ -119,29 +119,32 @@ class Merge:
             for t in self.terms:
                 w = w + factors[t.b].detach().float()[start:stop] * t.scaling
             return w
-        deltas = [self._delta(t, start, stop, factors) for t in self.terms]
+        # One new tensor per merged weight, its first delta, which every
+        # later step updates in place: a round allocates (and page-faults)
+        # the merged weights once, not three times. ``delta + w`` is
+        # ``w + delta`` bit for bit, and later deltas add in PEFT's order.
+        merged: torch.Tensor | None = None
+        for term in self.terms:
+            delta = self._delta(term, start, stop, factors)
+            merged = delta.add_(w) if merged is None else merged.add_(delta)
+        assert merged is not None
         if self.magnitude is None:
-            for delta in deltas:
-                w = w + delta
-            return w
-        (delta,) = deltas  # layout refuses DoRA with several active adapters
-        merged = w + delta
+            return merged
         magnitude = factors[self.magnitude].detach().float()
         if self.kind == TRANSPOSED:  # (in, out): a column per output; needs every row
-            norm = torch.linalg.norm(merged, dim=0)
-            return merged * (magnitude / norm).view(1, -1)
-        norm = torch.linalg.norm(merged, dim=1)
-        return merged * (magnitude[start:stop] / norm).view(-1, 1)
+            return merged.mul_((magnitude / torch.linalg.norm(merged, dim=0)).view(1, -1))
+        return merged.mul_((magnitude[start:stop] / torch.linalg.norm(merged, dim=1)).view(-1, 1))
 
     def _delta(self, term: Term, start: int, stop: int, factors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """A new (contiguous) float32 tensor: ``s * B @ A`` for rows ``[start, stop)``, in the base's layout."""
         a = factors[term.a].detach().float()
         b = factors[term.b].detach().float()
         s = term.scaling
         if self.kind == LINEAR:
-            return (b[start:stop] @ a) * s
+            return (b[start:stop] @ a).mul_(s)
         if self.kind == TRANSPOSED:
-            return (b @ a[:, start:stop]).T * s
+            return (b @ a[:, start:stop]).T.contiguous().mul_(s)
         # PEFT's ParamWrapper: A (E*r, in) -> (E, r, in); B (out, r*E) -> (out, r, E).
         a = a.reshape(self.experts, -1, a.shape[-1])[start:stop]
         b = b.reshape(b.shape[0], -1, self.experts)[:, :, start:stop]
-        return torch.einsum("o r e, e r i -> e o i" if self.swapped else "o r e, e r i -> e i o", b, a) * s
+        return torch.einsum("o r e, e r i -> e o i" if self.swapped else "o r e, e r i -> e i o", b, a).contiguous().mul_(s)
