@@ -11,8 +11,9 @@ crosses the wire:
   model; the server serves a plain checkpoint.
 * ``adapter``: only the adapter's tensors, which the server writes where vLLM
   reads adapters and loads under the section's ``lora_name``
-  (``adapter``: the trainer's side; ``files``: the on-disk versions both
-  server sides share).
+  (``adapter``: the trainer's side; ``saved``: the names and config PEFT
+  saves; ``files``: the on-disk versions both server sides share; ``apply``:
+  an adapter applied to a model, for the reference receiver).
 
 PEFT is imported only when the process already did (a module that is not a
 PEFT model never makes this package import it).

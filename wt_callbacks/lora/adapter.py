@@ -24,20 +24,34 @@ vLLM's CPU backend) is refused there, naming the flag or ``lora: merge``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from wt_callbacks.lora import files
+from wt_callbacks.lora import files, saved
 from wt_callbacks.lora.layout import LoraLayout
 from wt_callbacks.naming import checkpoint_name, find_submodule
 from wt_callbacks.transfer.base import ParamMeta, WeightSource, WeightTransferError, finish_with_version
 from wt_callbacks.transfer.clients import assign_rank_offsets
 from wt_callbacks.transfer.sources.gathering import ParameterGather, gather_for
+from wt_callbacks.transfer.sources.schemes import sharding_scheme
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 takes for ``--max-lora-rank``."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    key: tuple[Any, ...]
+    layout: LoraLayout
+    gather: ParameterGather
+    raw: tuple[str, ...]
+    """The adapter's tensors as the gatherer holds them, in stream order."""
+    metas: tuple[ParamMeta, ...]
+    """The same, as PEFT saves them (their own dtypes)."""
 
 
 class AdapterSource(WeightSource):
@@ -46,7 +60,9 @@ class AdapterSource(WeightSource):
     Yields ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``
     (``lora_embedding_A`` / ``_B`` for embeddings), and the trained copies of
     ``modules_to_save`` vLLM serves, gathered like any parameter under every
-    sharding scheme (``gathering``).
+    sharding scheme (``gathering``). The plan follows the module: sharded
+    after the source was built (``fully_shard`` in ``configure_model``), or
+    another adapter made active.
 
     Args:
         module: the module as the training framework holds it.
@@ -64,46 +80,62 @@ class AdapterSource(WeightSource):
         self._module = module
         self._dtype = dtype
         self._submodule = submodule
-        root = find_submodule(module, submodule)
-        layout = LoraLayout.of(root)
-        if layout is None:
+        self._root = find_submodule(module, submodule)
+        if LoraLayout.of(self._root) is None:
             raise ValueError(
-                f"lora: adapter: module={submodule!r} ({type(root).__name__}) holds no PEFT model; wrap the model with "
-                "peft.get_peft_model (or give module: the path of the PEFT model)"
+                f"lora: adapter: module={submodule!r} ({type(self._root).__name__}) holds no PEFT model; wrap the "
+                "model with peft.get_peft_model (or give module: the path of the PEFT model)"
             )
-        self.layout = layout
-        self._gather: ParameterGather = gather_for(module, submodule)
-        held = {checkpoint_name(m.name): m for m in self._gather.parameters()}
-        pairs = layout.adapter_tensors(list(held))
-        self._raw = [held[name].name for name, _ in pairs]
-        self._metas = [ParamMeta(sent, held[name].dtype, held[name].shape) for name, sent in pairs]
+        self._cache: _Plan | None = None
+        self._plan()
 
     @property
     def module(self) -> torch.nn.Module:
         return self._module
 
+    @property
+    def layout(self) -> LoraLayout:
+        return self._plan().layout
+
+    def _plan(self) -> _Plan:
+        scheme = sharding_scheme(self._module, self._root)
+        cached = self._cache
+        if cached is not None and cached.key == (scheme, cached.layout.state()):
+            return cached
+        layout = LoraLayout.of(self._root)
+        assert layout is not None
+        gather = cached.gather if cached is not None and cached.key[0] == scheme else gather_for(self._module, self._submodule)
+        held = {checkpoint_name(m.name): m for m in gather.parameters()}
+        pairs = saved.adapter_tensors(layout, list(held))
+        raw = tuple(held[name].name for name, _ in pairs)
+        metas = tuple(ParamMeta(sent, held[name].dtype, held[name].shape) for name, sent in pairs)
+        self._cache = _Plan((scheme, layout.state()), layout, gather, raw, metas)
+        return self._cache
+
     def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightSource:
         if dtype is None or dtype == self._dtype:
             return self
-        cast = object.__new__(AdapterSource)
-        cast.__dict__.update(self.__dict__)
+        cast = copy.copy(self)
         cast._dtype = dtype
         return cast
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(m.name, self._dtype if self._dtype and m.dtype.is_floating_point else m.dtype, m.shape) for m in self._metas]
+        wire = self._dtype
+        return [ParamMeta(m.name, wire if wire and m.dtype.is_floating_point else m.dtype, m.shape) for m in self._plan().metas]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        sent = {raw: m.name for raw, m in zip(self._raw, self._metas)}
-        for raw, tensor in self._gather.gather(self._raw, self._dtype):
+        plan = self._plan()
+        sent = {raw: m.name for raw, m in zip(plan.raw, plan.metas)}
+        for raw, tensor in plan.gather.gather(plan.raw, self._dtype):
             yield sent[raw], tensor
 
     def gather_only(self) -> Iterator[str]:
-        return self._gather.gather_only(self._raw, self._dtype)
+        plan = self._plan()
+        return plan.gather.gather_only(plan.raw, self._dtype)
 
     def adapter_config(self) -> dict[str, Any]:
         """The ``adapter_config.json`` servers load the adapter with (read live: scaling changes are taken)."""
-        return self.layout.adapter_config()
+        return saved.adapter_config(self.layout)
 
 
 def smallest_rank_flag(rank: int) -> int:
@@ -133,6 +165,7 @@ class AdapterServingClient:
         self._moe = moe
         self._tags: list[str] = []
         self._version = 0
+        self._received: int | None = None  # the version every server received, not loaded yet
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -149,30 +182,35 @@ class AdapterServingClient:
         self._client.init_weight_transfer_engine(init_info)
         # Set once the servers joined: a failed init keeps the live session's.
         self._tags = [files.session_tag(init_info.get("session_id"), offset) for offset in offsets]
-        self._version = 0
+        self._version, self._received = 0, None
 
     def start_weight_update(self) -> None:
         self._client.start_weight_update()
 
     def update_weights(self, update_info: Any) -> None:
         self._version += 1
+        self._received = None
         lora = {"name": self.lora_name, "version": str(self._version), "config": self._source.adapter_config()}
         if isinstance(update_info, list):
             update_info = [{**info, "lora": lora} for info in update_info]
         else:
             update_info = {**update_info, "lora": lora}
         self._client.update_weights(update_info)
+        self._received = self._version
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Finish the update; then, if every server received this round's
+        version (not after a failed round: the clean-up finish), load it."""
         finish_with_version(self._client, weight_version)
-        if not self._tags or not self._version:
-            return  # the clean-up finish after a failed round: nothing to load
-        refs = [files.reference(tag, self.lora_name, str(self._version)) for tag in self._tags]
+        version, self._received = self._received, None
+        if version is None:
+            return
+        refs = [files.reference(tag, self.lora_name, str(version)) for tag in self._tags]
         try:
             self._client.load_lora_adapter(self.lora_name, refs)
         except WeightTransferError as e:
             raise WeightTransferError(
-                f"lora: adapter: loading version {self._version} as {self.lora_name!r} failed; the servers keep "
+                f"lora: adapter: loading version {version} as {self.lora_name!r} failed; the servers keep "
                 f"serving the previous version. {e}"
             ) from e
 
@@ -184,7 +222,7 @@ class AdapterServingClient:
         Raises:
             WeightTransferError: naming the server flag to add, or ``lora: merge``.
         """
-        rank = self._source.layout.max_rank()
+        rank = saved.max_rank(self._source.layout)
         for url, info in zip(self._client.base_urls, self._client.server_info()):
             if info is None:
                 continue  # a server without vLLM's /server_info: its load answers for it

@@ -19,9 +19,8 @@ works on sharded models):
   LoRA-targeted base tensor (its factors, their scaling read live), and the
   names that are not sent (the factors, ``original_module`` behind an active
   ``modules_to_save`` copy, inactive copies);
-* adapter mode: the active adapter's tensors under the names PEFT saves them
-  with (``get_peft_model_state_dict``: ``base_model.model.`` first, the
-  adapter name left out) and its ``adapter_config.json``;
+* adapter mode: the LoRA layers and trained copies of the active adapter
+  (what ``saved`` names as PEFT saves them);
 * what each mode cannot send, raised at setup naming the other mode or the
   fix (``check_merge``, ``check_adapter``).
 
@@ -33,11 +32,7 @@ them. ``state()`` changes when that changes (``set_adapter``,
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import sys
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,9 +43,6 @@ from wt_callbacks.naming import checkpoint_name
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before the base model's names in a saved adapter."""
-VLLM_MODULES_TO_SAVE = ("classifier", "score")
-"""The only ``modules_to_save`` vLLM serves in an adapter (``PEFTHelper``)."""
-FACTOR_ATTRS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 
 
 def _peft() -> Any:
@@ -200,7 +192,7 @@ class LoraLayout:
 
         base = layer.get_base_layer()
         base_path = path_of.get(id(base))
-        adapters = self._merged_adapters(layer)
+        adapters = self.applied_adapters(layer)
         kind_name = type(layer).__name__
         quantized = _quantized(base)
         if quantized:
@@ -266,8 +258,9 @@ class LoraLayout:
             self.merges[bias] = Merge(bias, BIAS, biased)
 
     @staticmethod
-    def _merged_adapters(layer: Any) -> list[str]:
-        """The adapters whose delta a merge adds: active, present in the layer, not merged in place already."""
+    def applied_adapters(layer: Any) -> list[str]:
+        """The adapters a LoRA layer applies on top of its base weight: active,
+        present in the layer, not merged into the weight in place already."""
         if layer.disable_adapters:
             return []
         present = set(layer.lora_A) | set(layer.lora_embedding_A)
@@ -303,108 +296,13 @@ class LoraLayout:
         """Whether the base model has MoE experts (a module named ``experts``)."""
         return any(path == "experts" or path.endswith(".experts") for path in self.roles)
 
-    def moved_by_lora(self) -> set[str]:
-        """Base names of the tensors a merge changes: the rest of a PEFT model
-        is frozen unless something outside LoRA trains it."""
-        return {self.base_name(n) or n for n in self.merges}
-
     # -- adapter mode ---------------------------------------------------------
 
     def active_adapters(self) -> set[str]:
         """The adapters some layer applies (PEFT's forward), copies of ``modules_to_save`` included."""
-        found = {a for _, layer in self.layers for a in self._merged_adapters(layer)}
-        return found | {c for _, w in self.wrappers if isinstance(c := _active_copy_or_none(w), str)}
-
-    def adapter_tensors(self, names: Iterable[str]) -> list[tuple[str, str]]:
-        """``(name as held, name as PEFT saves it)`` of the active adapter's
-        tensors among ``names`` (the source's parameters), in their order.
-
-        Raises:
-            ValueError: what ``check_adapter`` raises, and ``modules_to_save``
-                on modules vLLM serves no copy of.
-        """
-        self.check_adapter()
-        (adapter,) = self.active_adapters()
-        factor_names = {
-            n: self.saved_name(n, adapter)
-            for path, layer in self.layers
-            if adapter in self._merged_adapters(layer)
-            for n in (
-                (f"{path}.lora_embedding_A.{adapter}", f"{path}.lora_embedding_B.{adapter}")
-                if adapter in layer.lora_embedding_A
-                else (f"{path}.lora_A.{adapter}.weight", f"{path}.lora_B.{adapter}.weight")
-            )
-        }
-        copies: dict[str, str] = {}
-        for path, wrapper in self.wrappers:
-            if adapter not in getattr(wrapper, "modules_to_save", {}):
-                continue
-            if path.rpartition(".")[2] not in VLLM_MODULES_TO_SAVE:
-                raise ValueError(
-                    f"lora: adapter: modules_to_save holds {path}, and vLLM serves only {list(VLLM_MODULES_TO_SAVE)} "
-                    "as trained copies in an adapter. Use lora: merge"
-                )
-            prefix = f"{path}.modules_to_save.{adapter}."
-            copies.update({n: self.saved_name(n, adapter) for n in names if n.startswith(prefix)})
-        wanted = {**factor_names, **copies}
-        return [(n, wanted[n]) for n in names if n in wanted]
-
-    def saved_name(self, name: str, adapter: str) -> str:
-        """``name`` as ``save_pretrained`` of the PEFT model writes it (``base_model.model.`` first, no adapter name)."""
-        local = name[len(self.model_prefix) + 1 :] if self.model_prefix else name
-        parts = local.split(".")
-        out: list[str] = []
-        skip = False
-        for i, part in enumerate(parts):
-            if skip:
-                skip = False
-                continue
-            if part in FACTOR_ATTRS and i + 1 < len(parts) and parts[i + 1] == adapter:
-                out.append(part)
-                skip = True
-                continue
-            if part == "modules_to_save" and i + 1 < len(parts) and parts[i + 1] == adapter:
-                skip = True
-                continue
-            out.append(part)
-        return PEFT_PREFIX + ".".join(out)
-
-    def max_rank(self) -> int:
-        """The largest rank of the active adapter (what vLLM's ``--max-lora-rank`` must cover)."""
-        return max((int(layer.r[a]) for _, layer in self.layers for a in self._merged_adapters(layer)), default=0)
-
-    def adapter_config(self) -> dict[str, Any]:
-        """The active adapter's ``adapter_config.json``: PEFT's config, plus
-        per-module ``rank_pattern`` / ``alpha_pattern`` taken from the live
-        layers, so a server computes the scaling the trainer's layers apply
-        (``set_scale`` included) whatever PEFT's pattern rules made of the
-        config."""
-        (adapter,) = self.active_adapters()
-        config = _find_peft_config(self.root, adapter)
-        data = json.loads(json.dumps(config.to_dict(), default=_json_value))
-        ranks: dict[str, int] = {}
-        alphas: dict[str, float] = {}
-        rslora = bool(data.get("use_rslora", False))
-        for path, layer in self.layers:
-            if adapter not in self._merged_adapters(layer):
-                continue
-            module = self.saved_name(path, adapter).removeprefix(PEFT_PREFIX)
-            parameter = getattr(layer, "parameter_name", None)
-            if parameter is not None:  # vLLM matches experts' patterns against the parameter's name
-                module = _experts_pattern_name(module, parameter)
-            r = int(layer.r[adapter])
-            ranks[re.escape(module)] = r
-            alphas[re.escape(module)] = float(layer.scaling[adapter]) * (math.sqrt(r) if rslora else r)
-        data["rank_pattern"], data["alpha_pattern"] = ranks, alphas
-        data["r"] = max(ranks.values(), default=int(data.get("r", 8)))
-        return data
-
-
-def _experts_pattern_name(module: str, parameter: str) -> str:
-    """The module name vLLM matches a packed-experts LoRA's patterns against
-    (``PEFTHelper.get_rank_and_scaling``): ``...experts.gate_up_proj`` for the
-    wrapper saved as ``...experts.base_layer``, ``...experts.down_proj`` for ``...experts``."""
-    return f"{module.removesuffix('.base_layer')}.{parameter}"
+        found = {a for _, layer in self.layers for a in self.applied_adapters(layer)}
+        copies = (_active_copy(w) for _, w in self.wrappers if hasattr(w, "modules_to_save"))
+        return found | {c for c in copies if c is not None}
 
 
 def _child_role(parent: _Role, parent_module: Any, leaf: str, module: Any) -> _Role:
@@ -428,10 +326,6 @@ def _child_role(parent: _Role, parent_module: Any, leaf: str, module: Any) -> _R
     if isinstance(parent_module, AuxiliaryTrainingWrapper):
         return _Role("base", parent.base) if leaf == "original_module" else _Role("factor")
     return _Role("base", _join(parent.base, leaf))
-
-
-def _active_copy_or_none(wrapper: Any) -> str | None:
-    return _active_copy(wrapper) if hasattr(wrapper, "modules_to_save") else None
 
 
 def _active_copy(wrapper: Any) -> str | None:
@@ -477,20 +371,3 @@ def _quantized(base: Any) -> str:
     if weight is not None and (not weight.is_floating_point() or hasattr(weight, "quant_state")):
         return f"{name} holding {str(weight.dtype).removeprefix('torch.')} weights"
     return ""
-
-
-def _find_peft_config(root: torch.nn.Module, adapter: str) -> Any:
-    for module in root.modules():
-        configs = getattr(module, "peft_config", None)
-        if isinstance(configs, dict) and adapter in configs:
-            return configs[adapter]
-    raise ValueError(f"lora: adapter: no peft_config for adapter {adapter!r} in the module")
-
-
-def _json_value(value: Any) -> Any:
-    """What PEFT's own ``save_pretrained`` writes for the config's non-JSON values."""
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    if hasattr(value, "value"):  # enums (PeftType, TaskType)
-        return value.value
-    raise TypeError(f"cannot write {type(value).__name__} into adapter_config.json")
