@@ -50,7 +50,19 @@ from wt_callbacks.lora import files
 logger = logging.getLogger(f"vllm.{__name__}")
 
 SERVING_MODULE = "vllm.entrypoints.openai.models.serving"
-REQUIRED = ("load_lora_adapter", "lora_requests", "lora_id_counter", "lora_resolver_lock", "engine_client", "is_base_model")
+REQUIRED = {
+    SERVING_MODULE: ("OpenAIServingModels.load_lora_adapter", "OpenAIServingModels.is_base_model"),
+    "vllm.entrypoints.serve.exception_handling.error_response": ("create_error_response",),
+    "vllm.lora.request": ("LoRARequest",),
+    "vllm.v1.engine.output_processor": ("RequestState",),
+}
+INSTANCE_ATTRIBUTES = {
+    (SERVING_MODULE, "OpenAIServingModels"): ("lora_requests", "lora_id_counter", "lora_resolver_lock", "engine_client"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor"): ("request_states",),
+    ("vllm.v1.engine.output_processor", "RequestState"): ("lora_request",),
+    ("vllm.v1.engine.async_llm", "AsyncLLM"): ("output_processor",),
+}
+"""Set in ``__init__``: checked by name in its source."""
 _loaded: dict[str, list[Any]] = {}
 """Per adapter name, the ``LoRARequest`` s of the versions loaded here and not yet retired, oldest first."""
 _written: set[Path] = set()
@@ -60,25 +72,26 @@ _written: set[Path] = set()
 def missing_vllm_internals() -> list[str]:
     """What the installed vLLM lacks for the patch ([] when all is there)."""
     import importlib
-
-    try:
-        serving = importlib.import_module(SERVING_MODULE)
-    except ImportError as e:
-        return [f"{SERVING_MODULE} ({e})"]
-    cls = getattr(serving, "OpenAIServingModels", None)
-    if cls is None:
-        return [f"{SERVING_MODULE}.OpenAIServingModels"]
-    source = _source(cls)
-    return [f"OpenAIServingModels.{name}" for name in REQUIRED if not hasattr(cls, name) and name not in source]
-
-
-def _source(cls: type) -> str:
     import inspect
 
-    try:
-        return inspect.getsource(cls)
-    except (OSError, TypeError):
-        return ""
+    missing = []
+    for module_name, names in REQUIRED.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        for name in names:
+            target: Any = module
+            for part in name.split("."):
+                target = getattr(target, part, None)
+            if target is None:
+                missing.append(f"{module_name}.{name}")
+    for (module_name, cls_name), names in INSTANCE_ATTRIBUTES.items():
+        cls = getattr(importlib.import_module(module_name), cls_name, None)
+        source = inspect.getsource(cls.__init__) if cls is not None else ""
+        missing += [f"{module_name}.{cls_name}.{n}" for n in names if f"self.{n} " not in source and f"self.{n}:" not in source]
+    return missing
 
 
 def serve_adapter_versions() -> None:
@@ -100,7 +113,6 @@ def serve_adapter_versions() -> None:
     load_lora_adapter._wt_versions = True  # type: ignore[attr-defined]
     cls.load_lora_adapter = load_lora_adapter
     atexit.register(_remove_written)
-    logger.info("wt_callbacks: LoRA adapter versions (%s references) load under an id each", files.SCHEME)
 
 
 async def _load_version(models: Any, request: Any, base_model_name: str | None) -> Any:

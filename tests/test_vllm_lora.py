@@ -93,6 +93,23 @@ def test_lightning_adapter_rounds_serve_the_trained_adapter(server, probes, tmp_
     print(f"LORA adapter Lightning: {diff:.1e}")
 
 
+def test_the_api_server_patch_finds_vllm_internals_and_is_installed(vllm_python, server):
+    """The adapter versions lean on vLLM's API-server internals; a vLLM
+    upgrade that moves them must fail here, not serve stale adapters."""
+    import subprocess
+
+    probe = subprocess.run(
+        [str(vllm_python), "-c", "import json; from wt_callbacks.integrations.vllm_lora import "
+         "missing_vllm_internals as m; print('missing:', json.dumps(m()))"],
+        cwd="/", capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-5000:]
+    (line,) = [line for line in probe.stdout.splitlines() if line.startswith("missing: ")]
+    assert json.loads(line.removeprefix("missing: ")) == [], line
+    # The rounds before this one were loaded by it, in the API server.
+    assert any("APIServer" in line and "wt_callbacks: LoRA adapter 'policy' serves" in line for line in server.log.splitlines())
+
+
 def test_a_base_round_keeps_the_adapter_served_and_no_step_rereads_it(server, probes, tmp_path):
     """After any base-weight round vLLM drops every adapter and re-reads it
     from its path: the files are kept, so it serves on. Between loads it is
