@@ -34,7 +34,7 @@ import torch
 from wt_callbacks.lora import files, saved
 from wt_callbacks.lora.layout import LoraLayout
 from wt_callbacks.naming import checkpoint_name, find_submodule
-from wt_callbacks.transfer.base import ParamMeta, WeightSource, WeightTransferError, finish_with_version
+from wt_callbacks.transfer.base import Metadata, ParamMeta, WeightSource, WeightTransferError, finish_with_version
 from wt_callbacks.transfer.clients import assign_rank_offsets
 from wt_callbacks.transfer.sources.gathering import ParameterGather, gather_for
 from wt_callbacks.transfer.sources.schemes import sharding_scheme
@@ -119,9 +119,13 @@ class AdapterSource(WeightSource):
         cast._dtype = dtype
         return cast
 
-    def metadata(self) -> list[ParamMeta]:
+    @property
+    def metadata(self) -> Metadata:  # type: ignore[override]
+        """The adapter's tensors, every rank owning each (a list that also answers a call, as ``ModuleSource``'s)."""
         wire = self._dtype
-        return [ParamMeta(m.name, wire if wire and m.dtype.is_floating_point else m.dtype, m.shape) for m in self._plan().metas]
+        return Metadata(
+            ParamMeta(m.name, wire if wire and m.dtype.is_floating_point else m.dtype, m.shape) for m in self._plan().metas
+        )
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         plan = self._plan()
