@@ -108,6 +108,27 @@ def test_what_a_mode_cannot_send_is_refused_naming_the_other():
         ModuleSource(tiny_lms.llama_untied(0), lora="merge")
 
 
+def test_through_ddp_and_a_lightning_module_holding_the_peft_model():
+    """Found through DDP and below the module given (a LightningModule holding
+    the PEFT model at ``.model``): the same tensors, the same names."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        holder = torch.nn.Module()
+        holder.model = peft_case("all-linear")
+        expected = dict(ModuleSource(holder.model))
+        ddp = torch.nn.parallel.DistributedDataParallel(holder)
+        for source, prefix in ((ModuleSource(ddp, submodule="model"), ""), (ModuleSource(ddp), "model.")):
+            sent = dict(source)
+            assert list(sent) == [prefix + n for n in expected]
+            assert all(torch.equal(sent[prefix + n], t) for n, t in expected.items())
+        adapter = dict(AdapterSource(holder.model))
+        for source in (AdapterSource(ddp, submodule="model"), AdapterSource(ddp)):  # names as PEFT saves them either way
+            sent = dict(source)
+            assert list(sent) == list(adapter) and all(torch.equal(sent[n], t) for n, t in adapter.items())
+    finally:
+        dist.destroy_process_group()
+
+
 def test_only_active_adapters_count_and_merged_ones_are_not_added_twice():
     model = peft_case("all-linear")
     model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["q_proj"]))
