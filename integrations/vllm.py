@@ -18,7 +18,8 @@ Nothing here is imported by the trainer: the trainer side is
 the plugin makes in vLLM's processes are in ``vllm_cpu_tuning``; what makes
 rounds through vLLM's layerwise reload exact and complete is in
 ``vllm_reload`` (with ``vllm_layerwise``, ``vllm_load_trace`` and
-``vllm_reload_state``).
+``vllm_reload_state``); LoRA adapter rounds (``lora: adapter``) skip all
+of that and are written as versions vLLM loads (``vllm_lora``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from wt_callbacks.integrations import vllm_cpu_tuning
+from wt_callbacks.integrations import vllm_cpu_tuning, vllm_lora
 
 if TYPE_CHECKING:
     from wt_callbacks.transfer.backends.torch_dist import (
@@ -52,7 +53,9 @@ def register() -> None:
     Cheap: it imports vLLM's factory only; the engine class is resolved
     lazily by the worker that builds it. In the engine core it also makes
     ``update_weights`` calls wait without spinning, and in a worker it finds
-    the RPC queue whose spin an update session quiets (``vllm_cpu_tuning``).
+    the RPC queue whose spin an update session quiets (``vllm_cpu_tuning``),
+    and in the API server it has LoRA adapter versions load under an id each
+    (``vllm_lora``).
     """
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
@@ -60,6 +63,7 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, ENGINE_CLASS_NAME)
     vllm_cpu_tuning.poll_during_updates(BACKEND)
     vllm_cpu_tuning.find_worker_queue()
+    vllm_lora.serve_adapter_versions()
 
 
 def __getattr__(name: str) -> Any:
@@ -166,6 +170,12 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 )
 
         def update_weights(self, update_info: Any) -> None:
+            if isinstance(update_info, dict) and update_info.get("lora") is not None:
+                # A LoRA adapter (``lora: adapter``): the base engine writes it
+                # as a version on this host's disk; the model is not touched
+                # (no layerwise reload), and vllm_lora loads it when asked.
+                super().update_weights(update_info)
+                return
             try:
                 self._begin_reload()
                 super().update_weights(update_info)
@@ -189,12 +199,21 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
 
         def log_receiving(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
             # Under vLLM's logger: the base engine's has no handler here.
+            if update_info.lora is not None:
+                logger.info(
+                    "wt_callbacks update_weights: receiving %d tensors of LoRA adapter %r, version %s",
+                    len(update_info.names), update_info.lora["name"], update_info.lora["version"],
+                )  # fmt: skip
+                return
             logger.info(
                 "wt_callbacks update_weights: receiving %d tensors, layers applied %s",
                 len(update_info.names), "once all arrived" if self.init_info.all_or_nothing else "as each completes",
             )  # fmt: skip
 
         def check_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+            if update_info.lora is not None:  # checked against the adapter, not the served checkpoint
+                super().check_update(update_info)
+                return
             reason = self._guard.refusal(update_info.names, update_info.dtypes, update_info.shapes)
             if reason is not None:
                 raise ValueError(
@@ -204,6 +223,9 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 )
 
         def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+            if update_info.lora is not None:
+                super().receive_weights(update_info)
+                return
             layerwise = self.init_info is not None and not self.init_info.all_or_nothing
             model = self.model
             tracker = _LoadTracker(model)

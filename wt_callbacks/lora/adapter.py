@@ -34,10 +34,11 @@ import torch
 from wt_callbacks.lora import files, saved
 from wt_callbacks.lora.layout import LoraLayout
 from wt_callbacks.naming import checkpoint_name, find_submodule
-from wt_callbacks.transfer.base import Metadata, ParamMeta, WeightSource, WeightTransferError, finish_with_version
+from wt_callbacks.transfer.base import WeightTransferError, finish_with_version
 from wt_callbacks.transfer.clients import assign_rank_offsets
-from wt_callbacks.transfer.sources.gathering import ParameterGather, gather_for
-from wt_callbacks.transfer.sources.schemes import sharding_scheme
+from wt_callbacks.transfer.sources.gathering import ParameterGather
+from wt_callbacks.transfer.sources.schemes import gather_for, sharding_scheme
+from wt_callbacks.transfer.weight_source import Metadata, ParamMeta, WeightSource
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 takes for ``--max-lora-rank``."""

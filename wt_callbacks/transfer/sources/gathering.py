@@ -18,10 +18,12 @@ allows (half the bytes gathered for a bf16 wire).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 
+from wt_callbacks.lora.merge import Merge
 from wt_callbacks.transfer.weight_source import ParamMeta
 
 
@@ -35,6 +37,12 @@ class ParameterGather(ABC):
     """Whether ``gather()`` moves bytes between ranks, so that casting before
     it saves them. Where it does not, ``ModuleSource.iter_uncast`` leaves
     the cast to the transport's copy."""
+
+    merges: Mapping[str, Merge] = MappingProxyType({})
+    """LoRA-targeted weights ``gather()`` yields merged with their factors
+    (``wt_callbacks.lora.merge``), in float32 and then cast, each where the
+    scheme holds its rows; set by ``ModuleSource`` for a PEFT model. The
+    factors are parameters of the module, never among the names asked for."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
@@ -82,7 +90,9 @@ class LocalParameters(ParameterGather):
     def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         params = dict(self.module.named_parameters())
         for name in names:
-            yield name, in_wire_dtype(params[name].detach(), dtype)
+            tensor = params[name].detach()
+            merge = self.merges.get(name)
+            yield name, in_wire_dtype(tensor, dtype) if merge is None else merge.full(tensor, params).to(dtype or tensor.dtype)
 
 
 def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
