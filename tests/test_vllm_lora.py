@@ -33,10 +33,12 @@ from tests.support.lightning_app import run as lightning_run
 from tests.support.lora import ADAPTER, FAMILY, MERGED, TOLERANCE, base_model, peft_model, sharded_rank, trl_run
 from tests.support.lora import section as lora_section
 from tests.support.vllm import running_server
+from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import tiny_lms, toy_task
 from wt_callbacks.demos.multiprocess import free_port
 from wt_callbacks.lora import files
+from wt_callbacks.receiver import Receiver
 from wt_callbacks.sync import WeightSync
 from wt_callbacks.transfer import WeightTransferError
 from wt_callbacks.verify import ProbeSet, served_logprob_diff
@@ -178,14 +180,21 @@ def test_trl_adapter(server, probes, tmp_path):
 
 
 @pytest.mark.parametrize("scheme", ["fsdp2", "zero3"])
-def test_sharded_both_modes(server, probes, scheme, tmp_path):
+def test_sharded_both_modes(server, probes, scheme, tmp_path, monkeypatch):
+    """Into the vLLM server and a reference receiver at once (one broadcast,
+    two servers): vLLM's logprobs, the receiver's checksums."""
     if scheme == "zero3":
         pytest.importorskip("deepspeed")
-    mp.spawn(sharded_rank, args=(free_port(), server.url, scheme, str(tmp_path), API_KEY), nprocs=2, join=True)
+    monkeypatch.setenv("WT_LORA_DIR", str(tmp_path / "adapters"))  # where the receiver writes versions
+    with Receiver(base_model()) as receiver:
+        urls = [server.url, receiver.start()]
+        mp.spawn(sharded_rank, args=(free_port(), urls, scheme, str(tmp_path), API_KEY), nprocs=2, join=True)
+        assert module_checksums(receiver.model) == module_checksums(base_model())  # the base is back
     out = json.loads((tmp_path / "result.json").read_text())
     assert out["adapter"]["diff"] <= TOLERANCE and out["merge"]["diff"] <= TOLERANCE
-    assert served(server, base_model(), probes) <= TOLERANCE  # the base is back
-    print(f"LORA {scheme}: adapter {out['adapter']['diff']:.1e}, merge {out['merge']['diff']:.1e}")
+    assert out["adapter"]["checksums_equal"] is True and out["merge"]["checksums_equal"] is True
+    assert served(server, base_model(), probes) <= TOLERANCE
+    print(f"LORA {scheme}: adapter {out['adapter']['diff']:.1e}, merge {out['merge']['diff']:.1e} (vLLM and receiver), receiver checksums equal")
 
 
 # --------------------------------------------------------------------------- #

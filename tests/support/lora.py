@@ -70,9 +70,9 @@ def trained(model: torch.nn.Module, config, seed: int = 3) -> torch.nn.Module:
     return pm
 
 
-def section(url: str, **keys: Any) -> dict[str, Any]:
+def section(url: str | list[str], **keys: Any) -> dict[str, Any]:
     """A ``weight_sync`` section verifying every round within ``TOLERANCE``."""
-    return {"servers": [url], "timeout_s": ROUND_TIMEOUT_S, "verify_every_n_syncs": 1, "verify_tolerance": TOLERANCE, **keys}
+    return {"servers": [url] if isinstance(url, str) else url, "timeout_s": ROUND_TIMEOUT_S, "verify_every_n_syncs": 1, "verify_tolerance": TOLERANCE, **keys}
 
 
 def trl_run(out_dir: Path, weight_sync: dict[str, Any]) -> torch.nn.Module:
@@ -112,13 +112,14 @@ def checksums_sent(source: Any, rank: int) -> dict[str, str]:
     return {name: tensor_sha256(tensor) for name, tensor in source}
 
 
-def sharded_rank(rank: int, port: int, url: str, scheme: str, out_dir: str, api_key: str | None) -> None:
+def sharded_rank(rank: int, port: int, urls: list[str], scheme: str, out_dir: str, api_key: str | None) -> None:
     """One of two gloo ranks under ``scheme`` (``"fsdp2"`` or ``"zero3"``):
     adapter rounds, then merge rounds, then the base put back (the adapters
-    disabled), each round verified, a real optimizer step between rounds.
-    Rank 0 writes each mode's largest logprob difference and, for a server
-    with ``/weight_checksums`` (the reference receiver), whether it holds
-    bitwise what was sent."""
+    disabled), each round verified on every server of ``urls`` (one
+    broadcast reaches them all), a real optimizer step between rounds.
+    Rank 0 writes each mode's largest logprob difference and, for the
+    servers with ``/weight_checksums`` (the reference receiver), whether
+    they hold bitwise what was sent."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=120)
@@ -163,13 +164,13 @@ def sharded_rank(rank: int, port: int, url: str, scheme: str, out_dir: str, api_
 
         collectives = Collectives.from_torch_distributed()
         for mode, name in (("adapter", f"{scheme}-policy"), ("merge", None)):
-            ws = WeightSync(SyncConfig(**section(url, lora=mode, lora_name=name, api_key=api_key)))
+            ws = WeightSync(SyncConfig(**section(urls, lora=mode, lora_name=name, api_key=api_key)))
             ws.setup(held, rank, 2, collectives=collectives)
             try:
                 diffs, exact = [], []
                 for round_ in range(2):
                     diffs.append(ws.sync(round_).verify_max_logprob_diff)
-                    exact.append(_holds_what_was_sent(url, api_key, held, mode, name, rank))
+                    exact.append(_holds_what_was_sent(urls, api_key, held, mode, name, rank))
                     step()
                 out[mode] = {"diff": max(diffs), "checksums_equal": exact[0] if all(e == exact[0] for e in exact) else False}
                 if mode == "merge":
@@ -183,16 +184,16 @@ def sharded_rank(rank: int, port: int, url: str, scheme: str, out_dir: str, api_
         leave_group_together()
 
 
-def _holds_what_was_sent(url: str, api_key: str | None, held: Any, mode: str, name: str | None, rank: int) -> bool | None:
-    """Whether the server's checksums are those of what the source sends
-    now; ``None`` for a server without ``/weight_checksums`` (vLLM)."""
+def _holds_what_was_sent(urls: list[str], api_key: str | None, held: Any, mode: str, name: str | None, rank: int) -> bool | None:
+    """Whether the servers' checksums are those of what the source sends
+    now; ``None`` when no server has ``/weight_checksums`` (vLLM has not)."""
     source = AdapterSource(held) if mode == "adapter" else ModuleSource(held)
     sent = checksums_sent(source, rank)
     if rank != 0:
         return None
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    answer = requests.get(f"{url}/weight_checksums", headers=auth, timeout=30)
-    if answer.status_code == 404:
+    answers = [requests.get(f"{url}/weight_checksums", headers=auth, timeout=30) for url in urls]
+    held_now = [a.json() for a in answers if a.status_code != 404]
+    if not held_now:
         return None
-    held_now = answer.json()
-    return (held_now["adapters"][name]["checksums"] if mode == "adapter" else held_now["checksums"]) == sent
+    return all((h["adapters"][name]["checksums"] if mode == "adapter" else h["checksums"]) == sent for h in held_now)
