@@ -8,10 +8,13 @@ ZeRO-3 runs (those two in ``test_vllm_lora.py``, beside a vLLM server:
 one broadcast reaches both): with ``lora: adapter`` it holds bitwise the trainer's adapter
 and its base is untouched; with ``lora: merge`` its weights are bitwise the
 merged model (PEFT's rule in float32). Every round is verified (served
-logprobs within 1e-4 of the trainer's PEFT model).
+logprobs within 1e-4 of the trainer's PEFT model). Accelerate's hook finds
+the PEFT model in what ``accelerator.prepare`` returned.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -19,6 +22,8 @@ import torch
 from tests.support.lightning_app import run as lightning_run
 from tests.support.lora import ADAPTER, MERGED, base_model, peft_model, section, trl_run
 from wt_callbacks.checksums import module_checksums, tensor_sha256
+from wt_callbacks.demos import toy_task
+from wt_callbacks.lora import files
 from wt_callbacks.lora.adapter import AdapterSource
 from wt_callbacks.receiver import Receiver
 from wt_callbacks.transfer import ModuleSource
@@ -61,6 +66,8 @@ def assert_holds_merged(receiver, model: torch.nn.Module) -> None:
 def test_lightning_adapter(receiver, tmp_path):
     model = lightning(receiver, tmp_path, ADAPTER, lora="adapter", lora_name="policy")
     assert_holds_adapter(receiver, model, "policy")
+    # Each version is read once into memory: its files do not pile up on the receiver's disk.
+    assert not list((tmp_path / "adapters").rglob(files.WEIGHTS_FILE))
 
 
 def test_lightning_merge(receiver, tmp_path):
@@ -74,3 +81,28 @@ def test_trl(receiver, tmp_path, mode):
         assert_holds_adapter(receiver, trl_run(tmp_path, section(receiver.url, lora="adapter", lora_name="trl")), "trl")
     else:
         assert_holds_merged(receiver, trl_run(tmp_path, section(receiver.url)))
+
+
+@pytest.mark.parametrize("mode", ["adapter", "merge"])
+def test_accelerate(receiver, mode):
+    from accelerate import Accelerator
+
+    from wt_callbacks.integrations.accelerate import WeightSyncHook
+
+    accelerator = Accelerator(cpu=True)
+    model = peft_model(ADAPTER if mode == "adapter" else MERGED).train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    keys = {"lora": "adapter", "lora_name": "acc"} if mode == "adapter" else {}
+    tokenizer, rng = toy_task.build_tokenizer(), random.Random(0)
+    with WeightSyncHook(accelerator, model, optimizer, hparams=section(receiver.url, every_n_train_steps=2, **keys)) as hook:
+        for _ in range(4):
+            accelerator.backward(model(**toy_task.training_batch(tokenizer, rng, 8)).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert hook.weight_sync.syncs_completed == 3  # before the first step, after 2 and 4: each verified
+    trained = accelerator.unwrap_model(model).eval()
+    if mode == "adapter":
+        assert_holds_adapter(receiver, trained, "acc")
+    else:
+        assert_holds_merged(receiver, trained)

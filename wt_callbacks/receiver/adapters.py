@@ -4,7 +4,9 @@ An adapter round writes its version to this host's disk like inside vLLM
 (the worker engine, ``wt_callbacks.lora.files``); ``load`` then reads a
 version, by its ``wt-lora://`` reference or a plain directory, and requests
 naming the adapter are served by a copy of the model with it applied
-(``wt_callbacks.lora.apply``). As in vLLM, the adapter is applied to the
+(``wt_callbacks.lora.apply``). The receiver reads a version once and keeps
+it in memory, so the files of a version its own round wrote are removed
+once read (vLLM, which re-reads them, keeps them: ``integrations/vllm_lora``). As in vLLM, the adapter is applied to the
 base weights the receiver holds when it serves: after a base-weight round,
 the next request rebuilds the copy from the new base. ``checksums`` are the
 sha256 of each loaded adapter tensor, as received.
@@ -55,8 +57,12 @@ class ServedAdapters:
         if not (directory / files.WEIGHTS_FILE).is_file():
             raise AdapterNotFound(f"No adapter found for {name} at {path}")
         tensors, config = files.read_version(directory)
+        if path.startswith(files.SCHEME):
+            # A version this receiver's own round wrote: held in memory from
+            # now on, so its files go (a long run would fill the disk).
+            files.remove_version(directory)
         checksums = {n: tensor_sha256(t) for n, t in tensors.items()}
-        self._loaded[name] = _Loaded(str(directory), tensors, config, checksums=checksums)
+        self._loaded[name] = _Loaded(path, tensors, config, checksums=checksums)
 
     def unload(self, name: str) -> None:
         if self._loaded.pop(name, None) is None:

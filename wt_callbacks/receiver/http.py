@@ -20,9 +20,9 @@ from wt_callbacks.transfer.clients import API_KEY_ENV, PAUSE_MODES, api_key_or_e
 logger = logging.getLogger(__name__)
 
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+"""vLLM 0.33's answer (503) to a new request while paused with ``abort`` or ``wait``."""
 MAX_ADAPTER_RANK = 1 << 16
 """The LoRA rank this receiver reports it serves: any (it applies adapters to a copy of its model)."""
-"""vLLM 0.33's answer (503) to a new request while paused with ``abort`` or ``wait``."""
 
 
 def _error(status: int, message: str) -> Any:
