@@ -23,12 +23,14 @@ the handle's ``flat_param``, ``uses_sharded_strategy``, ``process_group``,
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from wt_callbacks.lora.merge import Merge
 from wt_callbacks.naming import checkpoint_name
 from wt_callbacks.transfer.weight_source import ParamMeta
 from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype
@@ -59,7 +61,9 @@ class FSDP1Units(ParameterGather):
     LoRA: a weight in ``merges`` is sent merged with its factors
     (``wt_callbacks.lora.merge``): its unit is gathered in its own dtype and
     the weight merged in float32 before the cast; factors in other units
-    (PEFT's ``fsdp_auto_wrap_policy`` wraps each one) are gathered first.
+    (PEFT's ``fsdp_auto_wrap_policy`` wraps each one) are gathered first and
+    held only until the last weight needing them is merged (a few of the
+    adapter's small tensors on top of the bound above).
 
     Names: a parameter is named by its first path in ``named_parameters()``
     of the module given, as ``ModuleSource`` names an unwrapped model's, so
@@ -151,6 +155,10 @@ class FSDP1Units(ParameterGather):
 
     def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         wanted = set(names)
+        # Factors held by other units than their weight's: gathered when a
+        # weight first needs them, kept (copied out of their unit's buffer)
+        # only until the last weight needing them is merged.
+        uses = Counter(f for n in names if n in self.merges for f in self.merges[n].factors)
         ahead: dict[str, torch.Tensor] = {}
         for position, unit in enumerate(self._units):
             picked = [(n, i) for n, i in zip(unit.names, unit.indices) if n in wanted]
@@ -167,37 +175,55 @@ class FSDP1Units(ParameterGather):
             # dtype: they are merged in float32, then cast. Their factors may
             # sit in other units (PEFT's auto-wrap policy wraps each factor):
             # those are gathered first, on every rank in the same order.
-            factors = {f for m in merges for f in m.factors}
-            ahead.update(self._factors_elsewhere(factors - set(unit.names) - set(ahead), position))
+            missing = {f for m in merges for f in m.factors} - set(unit.names) - set(ahead)
+            if missing:
+                ahead.update(self._factors_elsewhere(missing, position, uses))
             originals = _unshard(unit.fsdp, None)
             held = {**ahead, **{n: originals[i] for n, i in zip(unit.names, unit.indices)}}
             for name, index in picked:
                 merge = self.merges.get(name)
                 if merge is None:
                     yield name, in_wire_dtype(originals[index], dtype)
-                else:
-                    yield name, merge.full(originals[index], held).to(dtype if dtype is not None else originals[index].dtype)
+                    continue
+                yield name, merge.full(originals[index], held).to(dtype if dtype is not None else originals[index].dtype)
+                _release(merge, uses, ahead)
             del originals, held
         for name in names:
             if name in self._plain:
                 merge = self.merges.get(name)
                 tensor = self._plain[name].detach()
-                if merge is not None:
-                    held = {**ahead, **{f: self._plain[f].detach() for f in merge.factors if f in self._plain}}
-                    yield name, merge.full(tensor, held).to(dtype if dtype is not None else tensor.dtype)
-                else:
+                if merge is None:
                     yield name, in_wire_dtype(tensor, dtype)
+                    continue
+                missing = {f for f in merge.factors if f not in self._plain and f not in ahead}
+                if missing:
+                    ahead.update(self._factors_elsewhere(missing, -1, uses))
+                held = {**ahead, **{f: self._plain[f].detach() for f in merge.factors if f in self._plain}}
+                yield name, merge.full(tensor, held).to(dtype if dtype is not None else tensor.dtype)
+                _release(merge, uses, ahead)
 
-    def _factors_elsewhere(self, factors: set[str], position: int) -> dict[str, torch.Tensor]:
-        """The LoRA factors among ``factors`` that units other than the one at
-        ``position`` hold, gathered now (in their own dtype), a unit at a time."""
+    def _factors_elsewhere(self, factors: set[str], position: int, uses: Counter[str]) -> dict[str, torch.Tensor]:
+        """The LoRA factors ``factors`` held by units other than the one at
+        ``position``, gathered now (in their own dtype), a unit at a time,
+        with every other factor such a unit holds that a later merge needs
+        (``uses``): a unit is gathered once per round. Copies: the units'
+        buffers are freed."""
         found: dict[str, torch.Tensor] = {}
-        for unit in self._units[:position] + self._units[position + 1 :]:
-            held = [(n, i) for n, i in zip(unit.names, unit.indices) if n in factors]
-            if held:
-                originals = _unshard(unit.fsdp, None)
-                found.update({n: originals[i] for n, i in held})
+        for at, unit in enumerate(self._units):
+            if at == position or not factors.intersection(unit.names):
+                continue
+            originals = _unshard(unit.fsdp, None)
+            found.update({n: originals[i].clone() for n, i in zip(unit.names, unit.indices) if uses[n] > 0})
+            del originals
         return found
+
+
+def _release(merge: Merge, uses: Counter[str], ahead: dict[str, torch.Tensor]) -> None:
+    """One merge done: drop the factors no later merge needs."""
+    for factor in merge.factors:
+        uses[factor] -= 1
+        if uses[factor] <= 0:
+            ahead.pop(factor, None)
 
 
 def _unshard(unit: torch.nn.Module, dtype: torch.dtype | None) -> list[torch.Tensor]:
