@@ -51,6 +51,8 @@ CASES = {
     "gpt2-conv1d-dora": ("gpt2", dict(r=4, target_modules=["c_attn"], fan_in_fan_out=True, use_dora=True)),
     "moe-experts": ("qwen3_moe", dict(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
     "lora-bias": ("qwen2_tied", dict(r=4, target_modules=["q_proj"], lora_bias=True)),
+    "modules-to-save": ("llama_untied", dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])),
+    "bias-all": ("qwen2_tied", dict(r=4, target_modules=["q_proj", "v_proj"], bias="all")),
 }
 
 
@@ -96,6 +98,8 @@ def test_what_a_mode_cannot_send_is_refused_naming_the_other():
         ("dora-modules-to-save", r"lora: adapter: .*uses DoRA, which vLLM does not serve as an adapter. Use lora: merge"),
         ("gpt2-conv1d", r"lora: adapter: .*c_attn is a fan-in-fan-out layer \(Conv1D, as GPT-2's Conv1D\): vLLM serves no LoRA on such models. Use lora: merge"),
         ("lora-bias", r"lora: adapter: .*lora_bias=True, which vLLM does not serve. Use lora: merge"),
+        ("bias-all", r"lora: adapter: bias='all' trains the base model's biases, .* Use lora: merge"),
+        ("modules-to-save", r"lora: adapter: modules_to_save holds base_model\.model\.lm_head, and vLLM serves only \['classifier', 'score'\].* Use lora: merge"),
     ):
         with pytest.raises(ValueError, match=message):
             AdapterSource(peft_case(case))

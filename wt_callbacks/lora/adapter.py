@@ -73,8 +73,9 @@ class AdapterSource(WeightSource):
     Raises:
         ValueError: at construction, naming the fix: no PEFT model, several
             active adapters, or what vLLM does not serve as an adapter (DoRA,
-            ``lora_bias``, fan-in-fan-out layers, ``modules_to_save`` other
-            than a classifier), each naming ``lora: merge``.
+            ``lora_bias``, trained base biases, inits that change the base
+            weights, fan-in-fan-out layers, ``modules_to_save`` other than a
+            classifier), each naming ``lora: merge``.
     """
 
     def __init__(self, module: torch.nn.Module, *, dtype: torch.dtype | None = None, submodule: str | None = None) -> None:

@@ -24,6 +24,8 @@ from wt_callbacks.lora.layout import PEFT_PREFIX, LoraLayout
 FACTOR_ATTRS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 VLLM_MODULES_TO_SAVE = ("classifier", "score")
 """The only ``modules_to_save`` vLLM serves in an adapter (``PEFTHelper``)."""
+VLLM_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+"""``init_lora_weights`` strings that set only the starting factors (vLLM's ``PEFTHelper`` takes these)."""
 
 
 def adapter_tensors(layout: LoraLayout, names: Iterable[str]) -> list[tuple[str, str]]:
@@ -36,6 +38,9 @@ def adapter_tensors(layout: LoraLayout, names: Iterable[str]) -> list[tuple[str,
     """
     layout.check_adapter()
     (adapter,) = layout.active_adapters()
+    problem = config_refusal(_find_peft_config(layout.root, adapter))
+    if problem:
+        raise ValueError(f"lora: adapter: {problem}. Use lora: merge")
     factor_names = {
         n: saved_name(layout, n, adapter)
         for path, layer in layout.layers
@@ -59,6 +64,25 @@ def adapter_tensors(layout: LoraLayout, names: Iterable[str]) -> list[tuple[str,
         copies.update({n: saved_name(layout, n, adapter) for n in names if n.startswith(prefix)})
     wanted = {**factor_names, **copies}
     return [(n, wanted[n]) for n in names if n in wanted]
+
+def config_refusal(config: Any) -> str | None:
+    """What in a ``LoraConfig`` an adapter served by vLLM cannot carry (its
+    ``PEFTHelper`` refuses it at load, after the round), or ``None``."""
+    bias = getattr(config, "bias", "none")
+    if bias != "none":
+        return f"bias={bias!r} trains the base model's biases, which the adapter does not carry (vLLM serves bias='none' only)"
+    init = getattr(config, "init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in VLLM_INITS:
+        return (
+            f"init_lora_weights={init!r} changes the base model's weights (PiSSA, OLoRA, CorDA, LoftQ), "
+            "while the server serves the original ones"
+        )
+    if getattr(config, "alora_invocation_tokens", None):
+        return "Activated LoRA (alora_invocation_tokens) is not served by vLLM"
+    if getattr(config, "layer_replication", None):
+        return "layer_replication is not served by vLLM"
+    return None
+
 
 def saved_name(layout: LoraLayout, name: str, adapter: str) -> str:
     """``name`` as ``save_pretrained`` of the PEFT model writes it (``base_model.model.`` first, no adapter name)."""
