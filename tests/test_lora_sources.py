@@ -112,6 +112,27 @@ def test_what_a_mode_cannot_send_is_refused_naming_the_other():
         ModuleSource(tiny_lms.llama_untied(0), lora="merge")
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_base_is_refused_for_merge_and_sent_as_an_adapter(tmp_path, bits):
+    """QLoRA: bitsandbytes' 8- and 4-bit bases (real layers, on the CPU)."""
+    pytest.importorskip("bitsandbytes")
+    import transformers
+    from safetensors.torch import load_file
+
+    quantization = {"load_in_8bit": True} if bits == 8 else {"load_in_4bit": True, "bnb_4bit_compute_dtype": torch.float32}
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_lms.save_pretrained("llama_untied", tmp_path / "base", seed=0), device_map="cpu",
+        quantization_config=transformers.BitsAndBytesConfig(**quantization),
+    )  # fmt: skip
+    model = trained(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=rf"lora: merge: .*q_proj has a quantized base \(Linear{bits}\w*\).* Use lora: adapter"):
+        ModuleSource(model)
+    model.save_pretrained(tmp_path / "adapter")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    sent = dict(AdapterSource(model))
+    assert set(sent) == set(saved) and all(torch.equal(t, saved[n]) for n, t in sent.items())
+
+
 def test_through_ddp_and_a_lightning_module_holding_the_peft_model():
     """Found through DDP and below the module given (a LightningModule holding
     the PEFT model at ``.model``): the same tensors, the same names."""

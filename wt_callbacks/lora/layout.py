@@ -242,7 +242,10 @@ class LoraLayout:
             self.merges[_join(base_path, "weight")] = Merge(_join(base_path, "weight"), TRANSPOSED, terms)
             return
         if type(layer) is not Linear:
-            self._problem("both", f"{path} is a LoRA layer of a kind weight sync does not merge ({kind_name})")
+            # A quantized base (bitsandbytes' LoRA layers) is refused for merge
+            # above; its adapter is a plain one (QLoRA), sent as PEFT saves it.
+            if not quantized:
+                self._problem("both", f"{path} is a LoRA layer of a kind weight sync does not merge ({kind_name})")
             return
         terms = tuple(Term(layer, a, f"{path}.lora_A.{a}.weight", f"{path}.lora_B.{a}.weight") for a in adapters)
         dora = [a for a in adapters if a in layer.lora_magnitude_vector]
