@@ -219,7 +219,7 @@ class ModuleSource(WeightSource):
 
     # -- the plan --------------------------------------------------------------
 
-    def in_wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+    def _wire(self, dtype: torch.dtype) -> torch.dtype:
         return self._dtype if self._dtype is not None and dtype.is_floating_point else dtype
 
     def _selected(self, name: str) -> bool:
@@ -233,7 +233,7 @@ class ModuleSource(WeightSource):
             self._gather, self._held_by = gather_for(self._module, self._submodule), held_by
         buffers = persistent_buffers(self._root)
         held = self._gather.parameters() + [ParamMeta(n, b.dtype, tuple(b.shape)) for n, b in buffers.items()]
-        metas_held = tuple(ParamMeta(m.name, self.in_wire_dtype(m.dtype), m.shape) for m in held)
+        metas_held = tuple(ParamMeta(m.name, self._wire(m.dtype), m.shape) for m in held)
         key = (metas_held, None if self.lora is None else self.lora.state())
         if self._plan_cache is not None and self._plan_cache.key == key:
             return self._plan_cache
