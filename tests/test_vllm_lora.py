@@ -38,6 +38,7 @@ from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import tiny_lms, toy_task
 from wt_callbacks.demos.multiprocess import free_port
 from wt_callbacks.lora import files
+from wt_callbacks.lora.adapter import adapter_refusal
 from wt_callbacks.receiver import Receiver
 from wt_callbacks.sync import WeightSync
 from wt_callbacks.transfer import WeightTransferError
@@ -92,6 +93,9 @@ def test_lightning_adapter_rounds_serve_the_trained_adapter(server, probes, tmp_
     assert diff <= TOLERANCE
     assert served(server, peft_model(ADAPTER), probes, "policy") > 0.05, "the served adapter did not move"
     assert served(server, base_model(), probes) <= TOLERANCE, "the base model changed"
+    # Versions 1-3 were loaded; the first, which no request names any more, is gone from the disk.
+    current = adapter_path(server, "policy")
+    assert current.name == "3" and sorted(p.name for p in current.parent.iterdir()) == ["2", "3"]
     print(f"LORA adapter Lightning: {diff:.1e}")
 
 
@@ -165,6 +169,11 @@ def test_what_the_server_cannot_serve_is_refused_at_connect(server):
         ws.setup(moe)
     ws.close()
     assert adapter_path(server, "policy") == before  # nothing was sent
+    # This server's own answer, without the variable that enables vLLM's adapter routes.
+    info = requests.get(f"{server.url}/server_info", params={"config_format": "json"}, headers=server.headers, timeout=30).json()
+    assert adapter_refusal(info, 8, moe=False) is None
+    info["vllm_env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = False
+    assert "start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in adapter_refusal(info, 8, moe=False)
 
 
 def test_trl_adapter(server, probes, tmp_path):
