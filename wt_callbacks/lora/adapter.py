@@ -35,7 +35,6 @@ from wt_callbacks.lora import files, saved
 from wt_callbacks.lora.layout import LoraLayout
 from wt_callbacks.naming import checkpoint_name, find_submodule
 from wt_callbacks.transfer.base import WeightTransferError, finish_with_version
-from wt_callbacks.transfer.clients import assign_rank_offsets
 from wt_callbacks.transfer.sources.gathering import ParameterGather
 from wt_callbacks.transfer.sources.schemes import gather_for, sharding_scheme
 from wt_callbacks.transfer.weight_source import Metadata, ParamMeta, WeightSource
@@ -179,12 +178,7 @@ class AdapterServingClient:
     # -- VLLMWeightSyncClient ----------------------------------------------
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        urls = self._client.base_urls
-        offsets = (
-            [init_info.get("rank_offset", 1)]
-            if len(urls) == 1
-            else [p.get("rank_offset", 1) for p in assign_rank_offsets(init_info, self._client.world_sizes())]
-        )
+        offsets = [p.get("rank_offset", 1) for p in self._client.init_payloads(init_info)]
         self._client.init_weight_transfer_engine(init_info)
         # Set once the servers joined: a failed init keeps the live session's.
         self._tags = [files.session_tag(init_info.get("session_id"), offset) for offset in offsets]

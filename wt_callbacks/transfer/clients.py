@@ -237,13 +237,15 @@ class HTTPVLLMWeightSyncClient:
 
     # -- VLLMWeightSyncClient ---------------------------------------------
 
+    def init_payloads(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
+        """The ``init_info`` each server gets: its own ``rank_offset`` (see
+        ``assign_rank_offsets``); one server takes it as it is."""
+        return [dict(init_info)] if len(self.base_urls) == 1 else assign_rank_offsets(init_info, self.world_sizes())
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """POST ``/init_weight_transfer_engine`` to every server, each with its
-        own ``rank_offset`` (see ``assign_rank_offsets``)."""
-        if len(self.base_urls) == 1:
-            payloads = [dict(init_info)]
-        else:
-            payloads = assign_rank_offsets(init_info, self.world_sizes())
+        own ``rank_offset`` (``init_payloads``)."""
+        payloads = self.init_payloads(init_info)
         self._fan_out.map(
             lambda i: self._request(
                 i,
