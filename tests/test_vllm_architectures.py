@@ -232,6 +232,17 @@ def served_peft_merge(server: VLLMServer, family: str, probes: ProbeSet) -> floa
     push(server, model, 8, verify_every_n_syncs=1, verify_tolerance=FP32_ATOL)
     diff = served_diff(server, model, probes)
     assert diff <= FP32_ATOL, f"{family}: vLLM serves logprobs {diff:.2e} away from the PEFT model"
+    # As an adapter: refused before any byte moves, naming what to change.
+    adapter = SyncConfig(servers=[server.url], lora="adapter", lora_name="policy")
+    refusal = ("fan-in-fan-out layer .*Use lora: merge" if family == "gpt2" else "modules_to_save holds base_model.model.lm_head.*Use lora: merge")
+    with pytest.raises(ValueError, match=refusal):
+        WeightSync(adapter).setup(model)
+    if family == "qwen3_moe":  # a plain LoRA of it: this server has no LoRA support at all
+        plain = trained(tiny_lms.TINY_LMS[family](seed=0), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+        ws = WeightSync(adapter)
+        with pytest.raises(WeightTransferError, match=r"was started without LoRA support: add --enable-lora"):
+            ws.setup(plain)
+        ws.close()
     return diff
 
 
