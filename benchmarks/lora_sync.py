@@ -14,8 +14,9 @@ fp32 vLLM with ``--enable-lora``, started from the base checkpoint):
 
 Rounds are timed as ``WeightSync.sync`` times them (pause, send, finish,
 resume; for the adapter, its load), after one warm-up round per mode; the
-trainable weights move between rounds. The last round of each mode is
-verified (served logprobs against the trainer's model, bf16 tolerance).
+trainable weights move between rounds. One more round of each mode, not
+timed, is verified (served logprobs against the trainer's model, bf16
+tolerance).
 Also reported: the share of merge mode's bytes in tensors no adapter touches
 (the embedding, norms), which every merge round sends again.
 
@@ -91,11 +92,13 @@ def run_mode(mode: str, url: str, args: argparse.Namespace, pids: list[int]) -> 
     generator = torch.Generator().manual_seed(1)
     rows = []
     try:
-        for step in range(args.rounds + 1):
+        # Round 0 warms up (connect, first allocations, first load); the
+        # last one is verified, which its time would include: neither is timed.
+        for step in range(args.rounds + 2):
             move(model, generator)
             with CpuLoadMeter(*pids) as load:
-                result = ws.sync(step, verify=step == args.rounds)
-            if step:  # the first is a warm-up: connect, first allocations, first load
+                result = ws.sync(step, verify=step == args.rounds + 1)
+            if 0 < step <= args.rounds:
                 rows.append({"seconds": result.seconds, "gather_s": result.gather_seconds, "load": load.other_cores})
         untouched = None
         if mode == "merge":
