@@ -168,6 +168,18 @@ def test_only_active_adapters_count_and_merged_ones_are_not_added_twice():
         assert all(torch.allclose(t, base[n], atol=1e-6) for n, t in source)
 
 
+def test_adapter_mode_sends_the_active_one_of_several_adapters():
+    model = peft_case("all-linear")
+    model.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj"]))
+    source = AdapterSource(model)
+    for active, rank in (("default", 4), ("other", 2)):
+        model.set_adapter(active)  # the source follows: its plan is keyed on the active adapters
+        expected = peft.get_peft_model_state_dict(model, adapter_name=active)
+        sent = dict(source)
+        assert set(sent) == set(expected) and all(torch.equal(t, expected[n]) for n, t in sent.items()), active
+        assert source.adapter_config()["r"] == rank
+
+
 # --------------------------------------------------------------------------- #
 # Sharded: two gloo ranks
 # --------------------------------------------------------------------------- #
