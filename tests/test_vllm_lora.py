@@ -10,7 +10,8 @@ after every round (each round is verified, while training moves the
 adapter), leave the base model served as it was, survive a base-weight
 round, and never re-read an adapter at every step (vLLM's sticky in-place
 flag); ``lora: merge`` rounds (the default) serve the merged model within
-1e-4 as the base model. The adapter tests come first: a merge round
+1e-4 as the base model, and a PEFT model of another base is refused naming
+the tensor. The adapter tests come first: a merge round
 replaces the base weights the adapters apply to (the sharded runs put the
 base back with their adapters disabled).
 
@@ -30,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.support.lightning_app import run as lightning_run
-from tests.support.lora import ADAPTER, FAMILY, MERGED, TOLERANCE, base_model, peft_model, sharded_rank, trl_run
+from tests.support.lora import ADAPTER, FAMILY, MERGED, TOLERANCE, base_model, peft_model, sharded_rank, trained, trl_run
 from tests.support.lora import section as lora_section
 from tests.support.vllm import running_server
 from wt_callbacks.checksums import module_checksums
@@ -174,6 +175,21 @@ def test_what_the_server_cannot_serve_is_refused_at_connect(server):
     assert adapter_refusal(info, 8, moe=False) is None
     info["vllm_env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = False
     assert "start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in adapter_refusal(info, 8, moe=False)
+
+
+def test_a_peft_model_of_another_base_is_refused_naming_the_tensor(server, probes):
+    """Merged under the checkpoint names of its own base (Qwen2, whose
+    attention has biases): the server refuses the round before any byte
+    moves, naming the tensor it has no parameter for, and serves on."""
+    other = trained(tiny_lms.qwen2_tied(0), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    ws = WeightSync(SyncConfig(**section(server, verify_every_n_syncs=0)))
+    ws.setup(other)
+    try:
+        with pytest.raises(WeightTransferError, match=r"no parameter for 'model\.layers\.0\.self_attn\.q_proj\.bias'"):
+            ws.sync(0)
+    finally:
+        ws.close()
+    assert served(server, base_model(), probes) <= TOLERANCE
 
 
 def test_trl_adapter(server, probes, tmp_path):
