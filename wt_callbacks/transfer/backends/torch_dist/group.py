@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -286,17 +287,32 @@ class TransferGroup:
             if works:
                 release = threading.Thread(target=_release, args=(pg, works), name="wt-release-group", daemon=True)
                 release.start()
-                with _RELEASING_LOCK:
-                    # A thread frees the group when its run() returns, after
-                    # _release: it stays listed until then, and is joined.
-                    _RELEASING[:] = [(t, d) for t, d in _RELEASING if t.is_alive()]
-                    _RELEASING.append((release, time.monotonic() + self.timeout_s + _RELEASE_SLACK_S))
+                # A thread frees the group when its run() returns, after
+                # _release: until then it is alive, and waited for.
+                wait_at_exit(release, self.timeout_s + _RELEASE_SLACK_S)
 
 
-_RELEASING: list[tuple[threading.Thread, float]] = []
-"""Threads freeing a group, with the time by which their operations end."""
-_RELEASING_LOCK = threading.Lock()
+_AT_EXIT: list[tuple[threading.Thread | Future, float]] = []
+"""Threads (or futures of threads) in torch.distributed's C++ code, with the time by which they end."""
+_AT_EXIT_LOCK = threading.Lock()
 _RELEASE_SLACK_S = 5.0
+
+
+def _running(task: threading.Thread | Future) -> bool:
+    return not task.done() if isinstance(task, Future) else task.is_alive()
+
+
+def wait_at_exit(task: threading.Thread | Future, within_s: float) -> None:
+    """Make the interpreter's exit wait, at most ``within_s`` from now, for
+    ``task``: a daemon thread that may still be in torch.distributed's C++
+    code (a group being freed, a join given up on). A daemon thread still
+    there when the interpreter finalizes is ended by unwinding its stack
+    through C++ frames that do not allow it: the process aborts in
+    std::terminate ("terminate called without an active exception", exit
+    134) instead of exiting with its own status, a Python error's 1 included."""
+    with _AT_EXIT_LOCK:
+        _AT_EXIT[:] = [(t, d) for t, d in _AT_EXIT if _running(t)]
+        _AT_EXIT.append((task, time.monotonic() + within_s))
 
 
 def _release(pg: Any, works: list[Any]) -> None:
@@ -309,8 +325,12 @@ def _release(pg: Any, works: list[Any]) -> None:
 
 
 @atexit.register
-def _wait_for_releases() -> None:
-    with _RELEASING_LOCK:
-        releasing = list(_RELEASING)
-    for thread, deadline in releasing:
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+def _wait_at_exit() -> None:
+    with _AT_EXIT_LOCK:
+        pending = list(_AT_EXIT)
+    for task, deadline in pending:
+        left = max(0.0, deadline - time.monotonic())
+        if isinstance(task, Future):
+            futures_wait([task], timeout=left)
+        else:
+            task.join(timeout=left)

@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, is_loopback, open_store
+from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, is_loopback, open_store, wait_at_exit
 from wt_callbacks.transfer.backends.torch_dist.session import new_session_id, session_proof
 from wt_callbacks.transfer.backends.torch_dist.waits import raise_if_failed, wait_for_work
 from wt_callbacks.transfer.backends.torch_dist.wire import (
@@ -243,7 +243,11 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
             # A group the join still forms after we gave up has no owner: it
             # would keep its ring and heartbeat alive for good.
             joined.add_done_callback(lambda f: f.exception() is None and f.result().destroy())
+            # Closing the store ends a join still waiting for it at once; the
+            # join's thread is then on its way out of gloo's C++ code, and a
+            # process that exits now (this error, uncaught) waits for it.
             del master
+            wait_at_exit(joined, 2 * timeout_s + 5)
             raise
         self.group = joined.result()
         self.group.keep_store_server(master)
