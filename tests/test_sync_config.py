@@ -104,7 +104,7 @@ def test_defaults():
     assert config.timeout_s == 300
     assert config.on_error == "raise"
     assert config.backend_config()["dtype"] is None
-    assert config.init_info_for(rank=1) == {"master_address": "127.0.0.1", "master_port": 0, "rank": 1}
+    assert config.init_info_for(rank=1) == {"rank": 1}
     assert SyncConfig(servers=[URL], pause="none").pause_mode is None
 
 

@@ -51,8 +51,6 @@ EXCLUSIVE_GROUPS = (TRIGGER_KEYS, ("servers", "ray_actors"))
 """Keys of which one is given; an override of one replaces the section's choice."""
 PAUSE_MODES = (*SERVER_PAUSE_MODES, "none")
 ON_ERROR_MODES = ("raise", "warn")
-DEFAULT_INIT_INFO: dict[str, Any] = {"master_address": "127.0.0.1", "master_port": 0}
-"""Rendezvous defaults: the trainer on this host, any free port (reported to the servers)."""
 
 
 def _choices_error(key: str, value: Any, choices: tuple[str, ...]) -> ValueError:
@@ -98,7 +96,10 @@ class SyncConfig:
         pause: how servers pause generation during a round (``/pause?mode=``),
             ``"none"`` to not pause.
         init_info: backend rendezvous settings (``master_address``,
-            ``master_port``, optional ``world_size``); ``rank`` is set per process.
+            ``master_port``, optional ``world_size``); ``rank`` is set per
+            process. Left out, each takes its backend's default (for
+            ``torch_dist``: the address this host reaches the servers from,
+            any free port, the servers' own world size).
         config: backend settings (for ``torch_dist``: ``packed``,
             ``packed_buffer_size_bytes``, ``packed_num_buffers``, ``dtype``,
             ``timeout_s``, ``transport``).
@@ -225,7 +226,7 @@ class SyncConfig:
 
     def init_info_for(self, rank: int) -> dict[str, Any]:
         """The backend init_info of trainer ``rank``."""
-        return {**DEFAULT_INIT_INFO, **self.init_info, "rank": rank}
+        return {**self.init_info, "rank": rank}
 
     @classmethod
     def from_hparams(cls, obj: Any = None, key: str = "weight_sync", **overrides: Any) -> SyncConfig:

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from wt_callbacks.transfer.base import (
     WeightTransferError,
@@ -292,6 +293,12 @@ class HTTPVLLMWeightSyncClient:
     def get_world_size(self) -> int:
         """Total inference world size over all servers (the group holds 1 + this)."""
         return sum(self.world_sizes())
+
+    def server_hosts(self) -> list[str]:
+        """Each server's host, as its URL names it: where a trainer engine's
+        group must be reachable from (``torch_dist`` advertises the address
+        this host reaches them from)."""
+        return [str(urlsplit(u).hostname) for u in self.base_urls]
 
     def weight_info(self) -> list[dict[str, Any]]:
         """``GET /weight_info`` of every server, in ``base_urls`` order."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import ipaddress
 import logging
 import socket
 import threading
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wt_callbacks.transfer.backends.torch_dist.addresses import local_address_towards
 from wt_callbacks.transfer.backends.torch_dist.session import check_peers, store_prefix
 from wt_callbacks.transfer.backends.torch_dist.shm_negotiation import join_ring, offer_ring
 from wt_callbacks.transfer.backends.torch_dist.shm_ring import ShmRing
@@ -38,22 +38,6 @@ logger = logging.getLogger(__name__)
 _TRAINER_LEFT_KEY = "trainer_left"
 WAIT_SLICE = datetime.timedelta(milliseconds=100)
 """How often a worker waiting for a gloo broadcast asks whether the trainer left."""
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def _local_address_towards(host: str) -> str:
-    """The local IP the OS would use to reach ``host`` (gloo binds to it)."""
-    if is_loopback(host):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # UDP connect sends nothing; it only picks a route
-        return s.getsockname()[0]
 
 
 def open_store(
@@ -157,7 +141,7 @@ class TransferGroup:
             else:
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = timeout
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address_towards(master_address))]
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
 
                 def gloo() -> Any:
                     return dist.ProcessGroupGloo(prefix, rank, world_size, opts)

@@ -11,7 +11,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, is_loopback, open_store, wait_at_exit
+from wt_callbacks.transfer.backends.torch_dist.addresses import advertised_address, is_loopback
+from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, open_store, wait_at_exit
 from wt_callbacks.transfer.backends.torch_dist.session import new_session_id, session_proof
 from wt_callbacks.transfer.backends.torch_dist.waits import raise_if_failed, wait_for_work
 from wt_callbacks.transfer.backends.torch_dist.wire import (
@@ -172,23 +173,41 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
             return self.config.transport
         if torch.cuda.is_available():
             return "nccl"
-        # A worker can reach a loopback master only from this host, so the
-        # ring is worth offering; the negotiation still checks each worker
-        # shares this /dev/shm (a container may not).
+        # A loopback master means every server runs on this host (loopback
+        # towards another host is refused: ``addresses``), so the ring is
+        # worth offering; the negotiation still checks each worker shares
+        # this /dev/shm (a container may not). A trainer on another host
+        # than a server never offers it.
         return "shm" if is_loopback(master_address) else "gloo"
 
+    def _master_address(self, given: str | None) -> str:
+        """The address the workers reach this trainer at: ``given``, or the
+        one this host reaches the servers from (``addresses``), asked from
+        the client's ``server_hosts()`` where it has one."""
+        server_hosts = getattr(self.client, "server_hosts", None)
+        hosts = None
+        if callable(server_hosts):
+            hosts = bounded(server_hosts, "server_hosts", within_s=self.config.timeout_s)
+        address = advertised_address(hosts, given)
+        if given is None and not is_loopback(address):
+            logger.info(
+                "torch_dist: advertising %s, this host's address towards the servers on %s", address, ", ".join(hosts or ())
+            )
+        return address
+
     def _rendezvous(self, init_info: TorchDistTrainerInitInfo) -> None:
-        transport = self._transport(init_info.master_address)
         timeout_s = self.config.timeout_s
+        master_address = self._master_address(init_info.master_address)
+        transport = self._transport(master_address)
         world_size = init_info.world_size
         if world_size is None:
             world_size = bounded(lambda: group_world_size(self.client), "get_world_size", within_s=timeout_s)
         device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
-        master = open_store(init_info.master_address, init_info.master_port, world_size, is_master=True, timeout_s=timeout_s)
+        master = open_store(master_address, init_info.master_port, world_size, is_master=True, timeout_s=timeout_s)
         port = master.port
         session_id = new_session_id()
         self.worker_init_info = {
-            "master_address": init_info.master_address,
+            "master_address": master_address,
             "master_port": port,
             "rank_offset": 1,
             "world_size": world_size,
@@ -205,7 +224,7 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         # this proof of it (``session``).
         api_key = getattr(self.client, "api_key", None)
         if api_key:
-            self.worker_init_info["session_proof"] = session_proof(api_key, session_id, init_info.master_address, port)
+            self.worker_init_info["session_proof"] = session_proof(api_key, session_id, master_address, port)
         payload = dict(self.worker_init_info)
         server_call = in_daemon_thread(lambda: self.client.init_weight_transfer_engine(payload), "wt-init")
         # The group joins through a client of the store, not the store server
@@ -214,8 +233,8 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         # holds the port, and a process exiting meanwhile aborts in it).
         joined = in_daemon_thread(
             lambda: TransferGroup.connect(
-                open_store(init_info.master_address, port, world_size, is_master=False, timeout_s=timeout_s),
-                master_address=init_info.master_address,
+                open_store(master_address, port, world_size, is_master=False, timeout_s=timeout_s),
+                master_address=master_address,
                 rank=0,
                 world_size=world_size,
                 timeout_s=timeout_s,
@@ -254,7 +273,7 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         self.session_id = session_id
         logger.info(
             "torch_dist: %s group of %d ranks formed on %s:%d",
-            self.group.transport, world_size, init_info.master_address, port,
+            self.group.transport, world_size, master_address, port,
         )
 
     def send_weights(self, weight_version: str | None = None) -> None:

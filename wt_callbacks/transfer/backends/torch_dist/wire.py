@@ -121,13 +121,20 @@ class TorchDistTrainerConfig(WeightTransferConfig):
 @dataclass
 class TorchDistTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info of ``torch_dist``: the shape of vLLM's
-    ``NCCLTrainerInitInfo`` (the same fields, positions, defaults and wire
-    meaning), so code written for it runs with this class in its place.
+    ``NCCLTrainerInitInfo`` (the same fields, positions and wire meaning;
+    defaults where vLLM's has none), so code written for it runs with this
+    class in its place.
 
     Attributes:
         master_address: address the trainer (rank 0) listens on and the
             workers connect to; it must be reachable from the servers.
-        master_port: port for the rendezvous store; ``0`` picks a free one.
+            ``None`` (the default; vLLM's has none): the address this host
+            reaches the servers from, loopback when they all run on this
+            host (``addresses``: the client's ``server_hosts()`` says where
+            they run), so the servers' URLs are all a trainer on another
+            host needs.
+        master_port: port for the rendezvous store; ``0`` (the default;
+            vLLM's has none) picks a free one.
         world_size: 1 + all inference workers; when omitted, the sender asks
             the client (``get_world_size()``) and adds 1.
         packed: broadcast packed chunks (vLLM's default) or one tensor per
@@ -141,8 +148,8 @@ class TorchDistTrainerInitInfo(TrainerInitInfo):
     """
 
     backend: ClassVar[str] = BACKEND  # the factory dispatches on it
-    master_address: str
-    master_port: int
+    master_address: str | None = None
+    master_port: int = 0
     world_size: int | None = None
     packed: bool = True
     packed_buffer_size_bytes: int = VLLM_PACKED_BUFFER_SIZE_BYTES
