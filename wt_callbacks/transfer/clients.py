@@ -316,6 +316,12 @@ class HTTPVLLMWeightSyncClient:
 class RayVLLMWeightSyncClient:
     """Talks to one or more vLLM ``LLM``/``AsyncLLM`` Ray actors.
 
+    Every call passes its arguments by keyword (``request=``,
+    ``weight_version=``, ``new_version=``: the parameter names of vLLM's
+    ``LLM``/``AsyncLLM``): a handle to a vLLM actor, in a process without
+    vLLM (a trainer's), cannot load its methods' signatures, whose
+    annotations name vLLM's types, and Ray then accepts keywords only.
+
     Args:
         handle: an actor handle, a named actor's name, or a list of either.
         timeout: seconds to wait for each fan-out call.
@@ -396,7 +402,7 @@ class RayVLLMWeightSyncClient:
                     "shared_group=True: they then take the same init info and place themselves"
                 ) from e
         refs = [
-            h.init_weight_transfer_engine.remote(WeightTransferInitRequest(init_info=p))
+            h.init_weight_transfer_engine.remote(request=WeightTransferInitRequest(init_info=p))
             for h, p in zip(self.handles, payloads)
         ]
         self._get(refs, "init_weight_transfer_engine")
@@ -409,13 +415,32 @@ class RayVLLMWeightSyncClient:
 
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
         request = WeightTransferUpdateRequest(update_info=update_info)
-        self._get([h.update_weights.remote(request) for h in self.handles], "update_weights")
+        self._get([h.update_weights.remote(request=request) for h in self.handles], "update_weights")
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         # vLLM's LLM/AsyncLLM take the version in the same call, so the
         # version switches atomically with the weights.
-        args = () if weight_version is None else (weight_version,)
-        self._get([h.finish_weight_update.remote(*args) for h in self.handles], "finish_weight_update")
+        kwargs = {} if weight_version is None else {"weight_version": weight_version}
+        self._get([h.finish_weight_update.remote(**kwargs) for h in self.handles], "finish_weight_update")
 
     def update_weight_version(self, new_version: str) -> None:
-        self._get([h.update_weight_version.remote(new_version) for h in self.handles], "update_weight_version")
+        self._get(
+            [h.update_weight_version.remote(new_version=new_version) for h in self.handles], "update_weight_version"
+        )
+
+    def server_hosts(self) -> list[str]:
+        """Where each actor runs, as this process reaches it: loopback for an
+        actor on this process's Ray node, else its node's address (what a
+        trainer engine's group must be reachable from)."""
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        nodes = self._get([h.__ray_call__.remote(fn=_actor_node) for h in self.handles], "locating the actors")
+        return ["127.0.0.1" if node_id == here else ip for node_id, ip in nodes]
+
+
+def _actor_node(actor: Any) -> tuple[str, str]:
+    """Run inside an actor (``__ray_call__``): its Ray node's id and address."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
