@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,9 +144,16 @@ def start_vllm_server(
     timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     port: int | None = None,
     api_key: str | None = None,
+    host: str = "127.0.0.1",
+    wrapper: Sequence[str] = (),
 ) -> VLLMServer:
     """Start a server (on a free port unless ``port``) and wait (at most
     ``timeout_s``) for ``/health``.
+
+    ``host``: the address it listens on (and its URL's). ``wrapper``: a
+    command that execs its arguments in the same process, e.g. ``ip netns
+    exec NAME`` to run the server on another host's network (the process
+    stays the one started, so ``stop`` reaches it).
 
     ``backend=None`` starts it without a weight-transfer config. ``api_key``
     goes into its environment as ``VLLM_API_KEY``: vLLM guards ``/v1`` with
@@ -160,7 +168,7 @@ def start_vllm_server(
     cmd = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
         "--max-model-len", str(max_model_len),
         "--dtype", dtype,
@@ -173,7 +181,7 @@ def start_vllm_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd,
+            [*wrapper, *cmd],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -181,7 +189,7 @@ def start_vllm_server(
             cwd=log_path.parent,
             start_new_session=True,  # its own process group: stop() can reach the workers
         )
-    server = VLLMServer(proc, f"http://127.0.0.1:{port}", log_path, model_dir, api_key)
+    server = VLLMServer(proc, f"http://{host}:{port}", log_path, model_dir, api_key)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
