@@ -118,18 +118,28 @@ class VLLMServer:
             pass
 
 
+CPU_ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache: the default would take a large share of RAM
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+"""What a vLLM engine on this CPU box runs with, wherever it runs (a server, a Ray actor)."""
+
+
 def server_env(*, dev_mode: bool = True, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment vLLM on CPU needs; ``dev_mode=False`` leaves out the RL routes."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "VLLM_SERVER_DEV_MODE")}
-    env.update(
-        VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache: the default would take a large share of RAM
-        HF_HUB_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-    )
+    env.update(CPU_ENGINE_ENV)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the RL weight routes exist only in dev mode
     env.update(extra or {})
     return env
+
+
+def max_model_len(model_dir: Path) -> int:
+    """``MAX_MODEL_LEN``, or the model's own context length if shorter (vLLM refuses a longer one)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return min(MAX_MODEL_LEN, int(config.get("max_position_embeddings", config.get("n_positions", MAX_MODEL_LEN))))
 
 
 def start_vllm_server(
@@ -162,15 +172,13 @@ def start_vllm_server(
     ``VLLMStartError`` with the log tail if it exits or stays unhealthy; the
     process is stopped in that case.
     """
-    config = json.loads((model_dir / "config.json").read_text())
-    max_model_len = min(MAX_MODEL_LEN, int(config.get("max_position_embeddings", config.get("n_positions", MAX_MODEL_LEN))))
     port = port or free_port()
     cmd = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
         "--host", host,
         "--port", str(port),
-        "--max-model-len", str(max_model_len),
+        "--max-model-len", str(max_model_len(model_dir)),
         "--dtype", dtype,
         "--enforce-eager",
     ]  # fmt: skip
