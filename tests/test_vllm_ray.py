@@ -17,6 +17,7 @@ vLLM venv as the other vLLM tests are; both venvs need the same Ray
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import secrets
@@ -32,7 +33,10 @@ from tests.support.netns import TwoHosts, two_hosts
 from tests.support.ray_cluster import RayCluster, start_ray_cluster
 from wt_callbacks.demos.vllm_server import REQUIRE_VLLM_ENV
 
-ray = pytest.importorskip("ray")
+try:
+    RAY_VERSION = importlib.metadata.version("ray")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("ray is not installed (the project's [ray] extra)", allow_module_level=True)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -52,11 +56,13 @@ def hosts() -> Iterator[TwoHosts]:
 
 @pytest.fixture(scope="module")
 def cluster(hosts: TwoHosts, vllm_python: Path) -> Iterator[RayCluster]:
-    probe = subprocess.run([str(vllm_python), "-c", "import ray; print(ray.__version__)"], capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [str(vllm_python), "-c", "import ray; print(ray.__version__)"], capture_output=True, text=True, timeout=120
+    )
     theirs = probe.stdout.strip() if probe.returncode == 0 else None
-    if theirs != ray.__version__:
+    if theirs != RAY_VERSION:
         reason = (
-            f"the vLLM venv has ray {theirs or '(none)'}, this one ray {ray.__version__}: a driver joins only a "
+            f"the vLLM venv has ray {theirs or '(none)'}, this one ray {RAY_VERSION}: a driver joins only a "
             "cluster of its own Ray version; run `bash scripts/vllm_env.sh`, which installs this venv's"
         )
         if os.environ.get(REQUIRE_VLLM_ENV) == "1":

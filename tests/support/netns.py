@@ -3,20 +3,22 @@
 The other "host" has its own loopback and ports and reaches this one only
 over the link, as a machine on the same network would: a server there is not
 on this host's 127.0.0.1, and this host's loopback is not its. Names carry a
-random suffix and the subnet is one no interface uses yet, so parallel runs
-never collide; the namespace, its link and whatever still runs in it are
+random suffix and the subnet is one no interface uses yet (chosen under a
+lock file shared by every run on the machine), so parallel runs never collide; the namespace, its link and whatever still runs in it are
 removed at teardown. Where the machine cannot make namespaces (not root, no
 ``ip`` command, not permitted) the test is skipped, saying which.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -97,15 +99,20 @@ def two_hosts() -> Iterator[TwoHosts]:
             pytest.skip(f"this machine cannot make network namespaces: {e}")
         raise
     try:
-        byte = _free_subnet_byte()
-        hosts = TwoHosts(
-            namespace, LINK.format(byte, 1), LINK.format(byte, 2), UNREACHABLE.format(byte), SECOND_NETWORK.format(byte, 2)
-        )
         _ip("link", "add", near, "type", "veth", "peer", "name", far)
         _ip("link", "set", far, "netns", namespace)
-        _ip("addr", "add", f"{hosts.here}/24", "dev", near)
-        _ip("addr", "add", f"{hosts.unreachable}/32", "dev", near)
-        _ip("addr", "add", f"{SECOND_NETWORK.format(byte, 1)}/24", "dev", near)
+        # One run at a time picks a subnet and takes it: Linux lets two
+        # interfaces hold the same address without complaint.
+        with open(os.path.join(tempfile.gettempdir(), "wt-netns-subnets.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            byte = _free_subnet_byte()
+            hosts = TwoHosts(
+                namespace, LINK.format(byte, 1), LINK.format(byte, 2), UNREACHABLE.format(byte),
+                SECOND_NETWORK.format(byte, 2),
+            )  # fmt: skip
+            _ip("addr", "add", f"{hosts.here}/24", "dev", near)
+            _ip("addr", "add", f"{hosts.unreachable}/32", "dev", near)
+            _ip("addr", "add", f"{SECOND_NETWORK.format(byte, 1)}/24", "dev", near)
         _ip("link", "set", near, "up")
         _ip("netns", "exec", namespace, "ip", "addr", "add", f"{hosts.there}/24", "dev", far)
         _ip("netns", "exec", namespace, "ip", "link", "set", far, "up")
