@@ -18,7 +18,8 @@ Nothing here is imported by the trainer: the trainer side is
 the plugin makes in vLLM's processes are in ``vllm_cpu_tuning``; what makes
 rounds through vLLM's layerwise reload exact and complete is in
 ``vllm_reload`` (with ``vllm_layerwise``, ``vllm_load_trace`` and
-``vllm_reload_state``).
+``vllm_reload_state``). What keeps the workers of a TP/PP engine in step
+is in ``vllm_collective_rpc``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from wt_callbacks.integrations import vllm_cpu_tuning
+from wt_callbacks.integrations import vllm_collective_rpc, vllm_cpu_tuning
 
 if TYPE_CHECKING:
     from wt_callbacks.transfer.backends.torch_dist import (
@@ -50,14 +51,18 @@ def register() -> None:
     Idempotent: vLLM runs general plugins once per process, but a process may
     also call this by hand, and vLLM's factory raises on a duplicate name.
     Cheap: it imports vLLM's factory only; the engine class is resolved
-    lazily by the worker that builds it. In the engine core it also makes
-    ``update_weights`` calls wait without spinning, and in a worker it finds
-    the RPC queue whose spin an update session quiets (``vllm_cpu_tuning``).
+    lazily by the worker that builds it. In the engine core it makes a
+    call on the workers read every worker's reply before it fails
+    (``vllm_collective_rpc``), and ``update_weights`` calls wait without
+    spinning; in a worker it finds the RPC queue whose spin an update
+    session quiets (``vllm_cpu_tuning``).
     """
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, ENGINE_CLASS_NAME)
+    # Innermost: the polling reads the executor's real reply queues.
+    vllm_collective_rpc.read_every_reply()
     vllm_cpu_tuning.poll_during_updates(BACKEND)
     vllm_cpu_tuning.find_worker_queue()
 
@@ -121,6 +126,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
 
         def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
             super().__init__(config, vllm_config, device, model)
+            vllm_collective_rpc.require_rpc_internals(self.parallel_config.world_size)
             vllm_cpu_tuning.keep_freed_host_memory(device)
             self._guard = ReloadGuard(model, device, str(self.model_config.model))
             self._reload_begun = False
