@@ -13,6 +13,8 @@ reload (``vllm_layerwise`` describes that reload and the hooks into it):
   server. At finish, vLLM's per-layer counters are compared with the trace
   of the served checkpoint: an incomplete layer gets its previous weights
   back and the round fails naming the first served parameter not updated.
+  On a pipeline-parallel server each stage judges its own layers: the
+  tensors of the others' it skips, as vLLM's loaders do.
 
 What a failure keeps: every previous weight, for a round refused before
 streaming and for one cut mid-stream, since layers completed while an
@@ -99,6 +101,10 @@ class ReloadGuard:
                 f"wt_callbacks' torch_dist engine cannot guard weight updates on vLLM {vllm.__version__}: "
                 f"its reload internals {missing} are gone. Use the vLLM version wt_callbacks supports (0.32)"
             )
+        # Imported here: a vLLM without it fails the engine's start, not a round.
+        from vllm.model_executor.models.utils import is_pp_missing_parameter
+
+        self._pp_missing = is_pp_missing_parameter
         self.model = model
         self.tied = TiedParameters(model)
         self.moe = MoeKernelRebuild(model, device)
@@ -142,7 +148,9 @@ class ReloadGuard:
             return None
         if trace.error:
             return f"the served model's loader rejects {trace.failed_name!r}: {trace.error}"
-        dropped = [n for n, _, _ in metas if not trace.targets.get(n) and not self._tied_name(n)]
+        dropped = [
+            n for n, _, _ in metas if not trace.targets.get(n) and not self._tied_name(n) and not self._other_stage(n)
+        ]  # fmt: skip
         if dropped:
             more = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
             return f"the served model has no parameter for {dropped[0]!r}{more}: vLLM would drop it silently"
@@ -165,6 +173,14 @@ class ReloadGuard:
         )
         more = f" (and {len(missing) - 1} more checkpoint tensors)" if len(missing) > 1 else ""
         return f"this round does not send checkpoint tensor {name!r}{more}, which the served model loads into {served[0]}"
+
+    def _other_stage(self, name: str) -> bool:
+        """``name`` belongs to a layer another pipeline stage serves: this
+        stage holds a placeholder there (vLLM's ``PPMissingLayer``), and the
+        model's loader skips its tensors on purpose. Every stage gets the
+        whole round and loads its own layers; what "complete" means is the
+        served checkpoint traced through this stage (``Coverage``)."""
+        return self._pp_missing(name, self.model)
 
     def _tied_name(self, name: str) -> bool:
         """``name`` belongs to a tied layer, whose weights the model's loader
