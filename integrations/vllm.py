@@ -19,7 +19,8 @@ the plugin makes in vLLM's processes are in ``vllm_cpu_tuning``; what makes
 rounds through vLLM's layerwise reload exact and complete is in
 ``vllm_reload`` (with ``vllm_layerwise``, ``vllm_load_trace`` and
 ``vllm_reload_state``). What keeps the workers of a TP/PP engine in step
-is in ``vllm_collective_rpc``.
+is in ``vllm_collective_rpc``, and what ``/weight_checker`` adds to prove
+their weights in ``vllm_served_checksums``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from wt_callbacks.integrations import vllm_collective_rpc, vllm_cpu_tuning
+from wt_callbacks.integrations import vllm_collective_rpc, vllm_cpu_tuning, vllm_served_checksums
 
 if TYPE_CHECKING:
     from wt_callbacks.transfer.backends.torch_dist import (
@@ -127,6 +128,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
         def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
             super().__init__(config, vllm_config, device, model)
             vllm_collective_rpc.require_rpc_internals(self.parallel_config.world_size)
+            vllm_served_checksums.include_cpu_kernels()
             vllm_cpu_tuning.keep_freed_host_memory(device)
             self._guard = ReloadGuard(model, device, str(self.model_config.model))
             self._reload_begun = False
