@@ -56,22 +56,34 @@ class WeightSyncHTTPError(WeightTransferError):
         self.body = body
 
 
+def servers_and_workers(names: Sequence[str], world_sizes: Sequence[int]) -> str:
+    """``"http://a has 4 workers, http://b has 1 worker"``: for errors about a group's size."""
+    return ", ".join(f"{n} has {w} worker{'' if w == 1 else 's'}" for n, w in zip(names, world_sizes))
+
+
 def assign_rank_offsets(
-    init_info: Mapping[str, Any], world_sizes: Sequence[int]
+    init_info: Mapping[str, Any], world_sizes: Sequence[int], names: Sequence[str] | None = None
 ) -> list[dict[str, Any]]:
     """One init dict per server, each with its own ``rank_offset``.
 
     Server i gets ``init_info["rank_offset"] + sum(world_sizes[:i])``; the
     group's ``world_size`` must cover the trainer and every server. Init dicts
     without ``rank_offset`` (backends without a group) are sent unchanged.
+    ``names`` (the servers' URLs) go into the error of a mismatch.
     """
     if "rank_offset" not in init_info:
         return [dict(init_info) for _ in world_sizes]
     first = int(init_info["rank_offset"])
     needed = first + sum(world_sizes)
+    servers = servers_and_workers(names or [f"server {i}" for i in range(len(world_sizes))], world_sizes)
+    if first < 1:
+        raise ValueError(
+            f"init_info rank_offset={first} must be at least 1: rank 0 is the trainer, and the servers "
+            f"({servers}) take the ranks from rank_offset on"
+        )
     if "world_size" in init_info and int(init_info["world_size"]) != needed:
         raise ValueError(
-            f"init_info world_size={init_info['world_size']} does not match the servers: "
+            f"init_info world_size={init_info['world_size']} does not match the servers ({servers}): "
             f"rank_offset {first} + server world sizes {list(world_sizes)} = {needed}; "
             f"set world_size to {needed} (or leave it out to have it computed)"
         )
@@ -82,16 +94,33 @@ def assign_rank_offsets(
     return payloads
 
 
-def group_world_size(client: Any) -> int:
+def group_world_size(client: Any, world_size: int | None = None) -> int:
     """1 (the trainer) + every server's workers, asked from ``client``: what a
-    trainer's ``init_info`` may leave out as ``world_size``."""
+    trainer's ``init_info`` may leave out as ``world_size``.
+
+    A ``world_size`` given is checked against it where the client can tell:
+    a group the servers' workers do not fill exactly fails here, naming
+    each server and its workers, before any server is called (its workers
+    would refuse one by one, or the rendezvous wait for ranks that never come).
+    """
     get_world_size = getattr(client, "get_world_size", None)
     if not callable(get_world_size):
+        if world_size is not None:
+            return world_size
         raise ValueError(
             "init_info: world_size is missing and the client has no get_world_size() to ask "
             "the servers; set world_size = 1 + the number of inference workers"
         )
-    return 1 + int(get_world_size())
+    needed = 1 + int(get_world_size())
+    if world_size is not None and world_size != needed:
+        urls, sizes = getattr(client, "base_urls", None), getattr(client, "world_sizes", None)
+        servers = servers_and_workers(urls, sizes()) if urls and callable(sizes) else f"{needed - 1} workers in all"
+        raise ValueError(
+            f"init_info world_size={world_size} does not match the servers' workers ({servers}): the group "
+            f"is the trainer and every worker, so world_size must be {needed}; set it so, or leave it out to "
+            "have it computed"
+        )
+    return needed
 
 
 class _FanOut:
@@ -241,9 +270,10 @@ class HTTPVLLMWeightSyncClient:
         """POST ``/init_weight_transfer_engine`` to every server, each with its
         own ``rank_offset`` (see ``assign_rank_offsets``)."""
         if len(self.base_urls) == 1:
+            self._check_ranks_fit(init_info)
             payloads = [dict(init_info)]
         else:
-            payloads = assign_rank_offsets(init_info, self.world_sizes())
+            payloads = assign_rank_offsets(init_info, self.world_sizes(), self.base_urls)
         self._fan_out.map(
             lambda i: self._request(
                 i,
@@ -254,6 +284,23 @@ class HTTPVLLMWeightSyncClient:
             ),
             len(self.base_urls),
         )
+
+    def _check_ranks_fit(self, init_info: Mapping[str, Any]) -> None:
+        """One server (whose group may hold other servers, driven by other
+        clients): its workers' ranks ``rank_offset`` .. ``rank_offset +
+        workers - 1`` must lie in the group, past the trainer's rank 0, or
+        the call fails here, before the server is called."""
+        if "rank_offset" not in init_info or "world_size" not in init_info:
+            return
+        first, world_size = int(init_info["rank_offset"]), int(init_info["world_size"])
+        (workers,) = self.world_sizes()
+        if first < 1 or first + workers > world_size:
+            raise ValueError(
+                f"init_info rank_offset={first}, world_size={world_size} do not fit the server "
+                f"({servers_and_workers(self.base_urls, [workers])}): its workers take ranks rank_offset.."
+                f"rank_offset+{workers - 1} and rank 0 is the trainer, so rank_offset must be at least 1 and "
+                f"world_size at least rank_offset + {workers}"
+            )
 
     def start_weight_update(self) -> None:
         self._all("POST", "start_weight_update", call="start_weight_update")

@@ -199,9 +199,9 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         timeout_s = self.config.timeout_s
         master_address = self._master_address(init_info.master_address)
         transport = self._transport(master_address)
-        world_size = init_info.world_size
-        if world_size is None:
-            world_size = bounded(lambda: group_world_size(self.client), "get_world_size", within_s=timeout_s)
+        world_size = bounded(
+            lambda: group_world_size(self.client, init_info.world_size), "get_world_size", within_s=timeout_s
+        )
         device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
         master = open_store(master_address, init_info.master_port, world_size, is_master=True, timeout_s=timeout_s)
         port = master.port
