@@ -14,7 +14,8 @@ reload (``vllm_layerwise`` describes that reload and the hooks into it):
   of the served checkpoint: an incomplete layer gets its previous weights
   back and the round fails naming the first served parameter not updated.
   On a pipeline-parallel server each stage judges its own layers: the
-  tensors of the others' it skips, as vLLM's loaders do.
+  tensors of the others' it skips, as vLLM's loaders do, but a round that
+  leaves one of them out it refuses too, so that the stages agree.
 
 What a failure keeps: every previous weight, for a round refused before
 streaming and for one cut mid-stream, since layers completed while an
@@ -165,7 +166,7 @@ class ReloadGuard:
         sent = set().union(*trace.targets.values()) if trace.targets else set()
         missing = [(n, t) for n, t in self.coverage.needed.items() if not t <= sent]
         if not missing:
-            return None
+            return self._other_stages_refusal({n for n, _, _ in metas})
         name, targets = missing[0]
         served = sorted(
             f"{t[0]}.{t[1]}" + (" (" + ", ".join(f"{k}={v}" for k, v in t[2:]) + ")" if t[2:] else "")
@@ -173,6 +174,20 @@ class ReloadGuard:
         )
         more = f" (and {len(missing) - 1} more checkpoint tensors)" if len(missing) > 1 else ""
         return f"this round does not send checkpoint tensor {name!r}{more}, which the served model loads into {served[0]}"
+
+    def _other_stages_refusal(self, sent: set[str]) -> str | None:
+        """A round that leaves out a checkpoint tensor of another pipeline
+        stage is refused on this stage too: that stage refuses it, and if
+        this one took it the server's stages would serve different rounds."""
+        assert self.coverage is not None
+        left_out = [n for n in self.coverage.shapes if n not in sent and self._other_stage(n)]
+        if not left_out:
+            return None
+        more = f" (and {len(left_out) - 1} more)" if len(left_out) > 1 else ""
+        return (
+            f"this round does not send checkpoint tensor {left_out[0]!r}{more}, which another pipeline stage "
+            "of this server loads"
+        )
 
     def _other_stage(self, name: str) -> bool:
         """``name`` belongs to a layer another pipeline stage serves: this
