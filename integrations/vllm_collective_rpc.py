@@ -19,7 +19,8 @@ worker's reply, whatever each says, and then fails naming each worker
 that failed and what it said, and which completed: a server whose workers
 disagree never reports success, and the next call reads its own replies.
 The calls vLLM makes on its hot path (``execute_model`` and the like, which
-one worker answers, or which do not wait) keep vLLM's own reading.
+one worker answers, or which do not wait), and every call on an engine of
+one worker, keep vLLM's own reading.
 
 What is read still depends on vLLM: a call that gives up waiting
 (``timeout``) leaves the reply of a worker that has not answered yet in
@@ -95,7 +96,8 @@ def read_every_reply() -> None:
     @functools.wraps(rpc)
     def collective_rpc(self: Any, *args: Any, **kwargs: Any) -> Any:
         queues = getattr(self, "response_mqs", None)
-        if not queues or not _waits_for_every_worker(signature, self, args, kwargs):
+        # One worker's reply is read whatever it says: vLLM's reading is right there.
+        if not queues or len(queues) < 2 or not _waits_for_every_worker(signature, self, args, kwargs):
             return rpc(self, *args, **kwargs)
         readers = [_ReplyReader(mq, success) for mq in queues]
         self.response_mqs = readers
