@@ -159,10 +159,13 @@ class _ReplyReader:
 
 
 def _engine(executor: Any) -> str:
-    """Which engine the executor runs, where a server has several (data parallel)."""
+    """Which data-parallel engine the executor runs. vLLM runs each engine of
+    a dense model as a deployment of its own (``data_parallel_size`` 1), its
+    ``data_parallel_index`` alone telling it apart: engine 0 goes unnamed."""
     parallel = getattr(getattr(executor, "vllm_config", None), "parallel_config", None)
-    if getattr(parallel, "data_parallel_size", 1) > 1:
-        return f" of data-parallel engine {getattr(parallel, 'data_parallel_rank', '?')}"
+    index = getattr(parallel, "data_parallel_index", 0)
+    if index or getattr(parallel, "data_parallel_size", 1) > 1:
+        return f" of data-parallel engine {index}"
     return ""
 
 
