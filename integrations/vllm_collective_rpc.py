@@ -7,11 +7,11 @@ leaving the replies of the workers after it in their queues. Every later
 call then reads, from those workers, the reply of a call before it: its
 errors come one call late, on another route, and a call can report
 success from a worker's earlier reply while that worker failed this one.
-One worker is enough to see it, and the plugin's workers refuse on purpose
-(a round that would leave a tensor out, a trainer that died, a group that
-cannot form): with two workers, one refused round made the next two fail
-with its error, and a round could report success while a worker kept the
-old weights.
+Two workers are enough to see it, and the plugin's workers refuse on
+purpose (a round that would leave a tensor out, a trainer that died, a
+group that cannot form): on a TP=2 server one refused round made the next
+two fail with its error, and a round could report success while a worker
+kept the old weights.
 
 ``read_every_reply`` (installed by ``register()``) wraps that method so
 that a call every worker answers and the caller waits for reads every
@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import sys
 from typing import Any
-
-logger = logging.getLogger(f"vllm.{__name__}")
 
 EXECUTOR_MODULE = "vllm.v1.executor.multiproc_executor"
 _MARK = "_wt_reads_every_reply"
@@ -62,7 +59,11 @@ def missing_rpc_internals() -> list[str]:
         return ["MultiprocExecutor.collective_rpc"]
     missing = []
     parameters = inspect.signature(rpc).parameters
-    missing += [f"MultiprocExecutor.collective_rpc({p}=...)" for p in ("method", *_WAITS_FOR_EVERY_WORKER) if p not in parameters]
+    missing += [
+        f"MultiprocExecutor.collective_rpc({p}=...)"
+        for p in ("method", *_WAITS_FOR_EVERY_WORKER)
+        if p not in parameters
+    ]
     # How it reads the replies is in its body: the names it must use are what can be checked.
     source = inspect.getsource(rpc)
     for needed, what in (
@@ -182,9 +183,7 @@ def _error(method: Any, failed: list[tuple[int, str]], workers: int, engine: str
     message = f"{name} failed on {_workers([i for i, _ in failed])} of {workers}{engine}"
     if completed:
         message += f" ({_workers(completed)} completed it: the workers disagree)"
-    message += ". " + "; ".join(
-        f"{_workers(ids)}: Worker failed with error '{gist}'" for gist, ids in by_error.items()
-    )
+    message += ". " + "; ".join(f"{_workers(ids)}: Worker failed with error '{gist}'" for gist, ids in by_error.items())
     if all(error == _NO_REPLY for _, error in failed):
         return TimeoutError(f"RPC call to {name} timed out: {message}")
     return RuntimeError(message)
@@ -209,4 +208,3 @@ def require_rpc_internals(world_size: int) -> None:
             f"{vllm.__version__}: the executor internals {missing} are gone, and a failed update would make "
             "later calls read earlier replies. Use the vLLM version wt_callbacks supports (0.32)"
         )
-

@@ -49,7 +49,11 @@ def missing_checksum_internals() -> list[str]:
         from vllm.v1.worker.gpu_worker import Worker
     except ImportError as e:
         return [f"{WORKER_MODULE}.Worker ({e})"]
-    return [f"Worker.{name}" for name in ("compute_weight_checksums", "_weight_checksum_prefix", "get_model") if not callable(getattr(Worker, name, None))]
+    return [
+        f"Worker.{name}"
+        for name in ("compute_weight_checksums", "_weight_checksum_prefix", "get_model")
+        if not callable(getattr(Worker, name, None))
+    ]
 
 
 def include_cpu_kernels() -> None:
@@ -91,7 +95,11 @@ def kernel_digests(model: torch.nn.Module) -> dict[str, str]:
         weight = getattr(layer, "weight", None)
         if kernel is None or not isinstance(weight, torch.Tensor) or weight.is_meta:
             continue
-        inputs = weight.shape[1] if weight.dim() == 2 and weight.numel() else getattr(layer, "input_size_per_partition", None)
+        inputs = (
+            weight.shape[1]
+            if weight.dim() == 2 and weight.numel()
+            else getattr(layer, "input_size_per_partition", None)
+        )
         if inputs is None:
             continue
         digest = hashlib.sha256()

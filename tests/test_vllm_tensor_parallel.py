@@ -33,7 +33,12 @@ from tests.test_vllm_e2e import FP32_ATOL, RenamedSource, prompts, tokenizer, tr
 from tests.test_vllm_faults import RECEIVING, perturb
 from wt_callbacks.checksums import checksum_mismatches, served_checksums
 from wt_callbacks.demos.vllm_server import max_logprob_diff
-from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferError, WeightTransferTrainerFactory
+from wt_callbacks.transfer import (
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    WeightTransferError,
+    WeightTransferTrainerFactory,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -113,13 +118,20 @@ def test_a_wrong_group_fails_at_connect_naming_the_servers_workers(tp: Deploymen
     fill fails before the server is called."""
     model = checkpoint_model(tp.server)
     client = HTTPVLLMWeightSyncClient(tp.server.url, timeout=30)
-    with pytest.raises(ValueError, match=rf"world_size=2 does not match the servers' workers \({tp.server.url} has 2 workers\).* must be 3"):
+    with pytest.raises(
+        ValueError,
+        match=rf"world_size=2 does not match the servers' workers \({tp.server.url} has 2 workers\).* must be 3",
+    ):
         WeightTransferTrainerFactory.trainer_init(
             "torch_dist", {"timeout_s": 10}, {"master_address": "127.0.0.1", "master_port": 0, "rank": 0, "world_size": 2},
             client=client, source=ModuleSource(model),
         )  # fmt: skip
-    with pytest.raises(ValueError, match=rf"rank_offset=2, world_size=3 do not fit the server \({tp.server.url} has 2 workers\)"):
-        client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 2, "world_size": 3})
+    with pytest.raises(
+        ValueError, match=rf"rank_offset=2, world_size=3 do not fit the server \({tp.server.url} has 2 workers\)"
+    ):
+        client.init_weight_transfer_engine(
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 2, "world_size": 3}
+        )
     client.close()
 
 

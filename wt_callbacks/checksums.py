@@ -76,7 +76,11 @@ def served_checksums(
     route = f"{url.rstrip('/')}/weight_checker"
     answer = requests.post(route, json={"action": "checksum"}, headers=headers, timeout=timeout_s)
     if answer.status_code != 200:
-        hint = ": start vLLM with VLLM_SERVER_DEV_MODE=1" if answer.status_code == 404 else ""
+        hint = (
+            ": vLLM serves it with VLLM_SERVER_DEV_MODE=1 (the reference receiver serves GET /weight_checksums instead)"
+            if answer.status_code == 404
+            else ""
+        )
         raise RuntimeError(f"POST {route} answered {answer.status_code}{hint}: {answer.text[:300]}")
     workers: dict[str, dict[str, str]] = {}
     for key, digest in answer.json()["checksums"].items():
