@@ -5,8 +5,9 @@ The dicts are those of vLLM's dense ``nccl`` backend (worker init_info
 packed_buffer_size_bytes, packed_num_buffers``; update_info ``names,
 dtype_names, shapes``) plus ``timeout_s`` and ``transport`` (``"gloo"``,
 ``"nccl"`` or ``"shm"``) and the session's keys (``session_id``,
-``session_proof``: see ``session``) and, when off, ``all_or_nothing``, so
-moving to stock vLLM later is a config change.
+``session_proof``: see ``session``) and, when off, ``all_or_nothing``, and
+in the update dict ``staged`` when on, so moving to stock vLLM later is a
+config change.
 Dtype names are torch attribute names (``"bfloat16"``).
 """
 
@@ -209,12 +210,24 @@ class TorchDistWeightTransferInitInfo(WeightTransferInitInfo):
 @dataclass
 class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     """Per-round update dict: the tensors that follow on the wire, in order,
-    and the ``session_id`` of the session they belong to (see ``session``)."""
+    and the ``session_id`` of the session they belong to (see ``session``).
+
+    ``staged`` (``commit: staged``): the worker accepts the update (every
+    check that refuses one before any byte moves runs first), receives it on
+    a thread of its own into staging that the served model does not read,
+    and returns, so the server keeps generating on its previous weights while
+    the round streams; ``finish_weight_update`` waits for the staging and
+    applies it, or discards it if the staging failed or the trainer left the
+    group meanwhile. A trainer sends the key only when it is true, so a server
+    older than it refuses a staged round (naming the key) instead of taking
+    it as a plain one.
+    """
 
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
     session_id: str | None = None
+    staged: bool = False
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -247,9 +260,10 @@ def check_names_unique(names: Iterable[str], *, key: str) -> None:
             raise ValueError(f"{key} lists {name!r} twice (at {j} and {i}); a round sends each tensor once")
 
 
-def update_info_for(metas: Iterable[ParamMeta], *, session_id: str | None = None) -> dict[str, Any]:
+def update_info_for(metas: Iterable[ParamMeta], *, session_id: str | None = None, staged: bool = False) -> dict[str, Any]:
     """The JSON update dict describing ``metas``, for the session ``session_id``
-    (an engine's ``session_id``; ``None`` for a group formed without one)."""
+    (an engine's ``session_id``; ``None`` for a group formed without one);
+    ``staged`` asks for a staged round (``TorchDistWeightTransferUpdateInfo``)."""
     metas = list(metas)
     info: dict[str, Any] = {
         "names": [m.name for m in metas],
@@ -258,4 +272,6 @@ def update_info_for(metas: Iterable[ParamMeta], *, session_id: str | None = None
     }
     if session_id is not None:
         info["session_id"] = session_id
+    if staged:
+        info["staged"] = True
     return info
