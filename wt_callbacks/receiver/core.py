@@ -5,7 +5,9 @@ Beyond vLLM it reports ``updates_completed`` and ``version_history``
 so a test can prove a sync was bitwise exact. Updates are transactional:
 ``StagedWeights`` copies a round's tensors into a spare set of parameters as
 they arrive and swaps it in only when ``finish_weight_update`` succeeds, so an
-interrupted round leaves the old weights in place. ``reload_weights`` is
+interrupted round leaves the old weights in place; a staged round streams
+while the receiver keeps generating, and only its commit takes the lock that
+generation holds. ``reload_weights`` is
 vLLM's reload-from-disk alternative to pushing. The HTTP app and the Ray
 actor are thin fronts over ``ReceiverCore``.
 """
@@ -426,6 +428,9 @@ class ReceiverCore:
             self._update_started = time.perf_counter()
 
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        """Receive one update into the stage; a staged one (``staged`` in the
+        update dict, the trainer's ``commit: staged``) only starts to, and
+        generation goes on while it streams (the stage is not the model)."""
         with self._lock:
             if self._stage is None:
                 raise RuntimeError("start_weight_update must be called before update_weights.")
@@ -447,15 +452,23 @@ class ReceiverCore:
             if self._stage is None:
                 raise RuntimeError("finish_weight_update called without an active weight update.")
             stage = self._stage
-            try:
-                stage.check_round_complete()
-            except Exception:
-                # As a refused update: the update ends, nothing of it is applied.
-                self._stage = None
-                self.engine.reset_weight_update_target()
-                self.resume()
-                raise
+        try:
+            # A staged update still streaming is waited for without the lock:
+            # generation goes on until the commit below.
             self.engine.finish_weight_update()
+            with self._lock:
+                stage.check_round_complete()
+        except Exception:
+            # As a refused update: the update ends, nothing of it is applied.
+            with self._lock:
+                if self._stage is stage:
+                    self._stage = None
+                    self.engine.reset_weight_update_target()
+            self.resume()
+            raise
+        with self._lock:
+            if self._stage is not stage:  # another finish ended it meanwhile
+                raise RuntimeError("finish_weight_update called without an active weight update.")
             stage.commit()
             self._stage = None
             self.engine.reset_weight_update_target()

@@ -246,6 +246,19 @@ class TransferGroup:
         self._left_asked = in_daemon_thread(lambda: store.check([_TRAINER_LEFT_KEY]), "wt-trainer-left")
         return False
 
+    def trainer_still_there(self, *, within_s: float) -> bool:
+        """A worker's check before it commits a staged round: the trainer has
+        not left the group (``destroy``), asked of its store now. No answer
+        within ``within_s``, or none at all (the store went away with the
+        trainer), counts as gone: a round is committed only on a yes."""
+        store = self.store
+        if store is None:
+            return False
+        try:
+            return not trainer_store_call(lambda: store.check([_TRAINER_LEFT_KEY]), "the trainer's store", timeout_s=within_s)
+        except Exception:  # noqa: BLE001 - whatever went wrong, no yes
+            return False
+
     def destroy(self) -> None:
         if self.rank == 0 and self.store is not None:
             try:
