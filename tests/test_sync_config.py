@@ -87,7 +87,7 @@ def test_container_without_section_takes_overrides_only():
     assert config.backend == "torch_dist"
     # Keys of the section beside other keys: refused, not guessed either way
     # (a training config holding a dtype, or a section with a stray key).
-    for mixed in ({"lr": 1e-3, "dtype": "bfloat16"}, {"every_n_train_steps": 50, "module": "model", "comment": "x"}):
+    for mixed in ({"lr": 1e-3, "dtype": "bfloat16"}, {"every_n_train_steps": 50, "module": "model", "notes": "x"}):
         with pytest.raises(ValueError, match=r"^weight_sync: these hyperparameters have no 'weight_sync' key, and they mix"):
             SyncConfig.from_hparams(mixed, servers=[URL])
     # The section itself with a typo is still read as the section, to say so.

@@ -21,25 +21,28 @@ own logging cadence.
 Trainer ranks agree through ``Collectives``, two callables the framework
 adapter builds from its own distributed plumbing, so this module imports no
 training framework. Only trainer rank 0 talks to the servers; every rank
-iterates the source (FSDP gathers are collectives).
+iterates the source (FSDP gathers are collectives). Under ``send: async``
+the round after the gathers runs on a thread of rank 0 (``async_send``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from wt_callbacks.async_send import AsyncSends
+from wt_callbacks.collectives import Agreement, Collectives, describe, trainer_ranks
 from wt_callbacks.config import SyncConfig
+from wt_callbacks.results import SyncResult
 from wt_callbacks.transfer.base import (
     CLEANUP_TIMEOUT_S,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
+    WeightSource,
     WeightTransferError,
     best_effort,
     bounded,
@@ -49,140 +52,9 @@ from wt_callbacks.transfer.factory import WeightTransferTrainerFactory
 from wt_callbacks.transfer.sources import ModuleSource
 from wt_callbacks.verify import Verifier
 
+__all__ = ["Collectives", "SyncResult", "WeightSync", "trainer_ranks"]
+
 logger = logging.getLogger(__name__)
-
-
-def trainer_ranks(framework_rank: int, framework_world_size: int) -> tuple[int, int]:
-    """This process's trainer rank and the world size: torch.distributed's
-    default group's when it is up, else what the framework reports.
-
-    The group's count is the one ``Collectives.from_torch_distributed`` and the
-    sources' gathers run over. A framework's own can differ: under DeepSpeed on
-    a CPU-only machine Accelerate (and the transformers Trainer, through it)
-    reports one process, index 0, on every rank while DeepSpeed runs a real
-    multi-rank group, so every rank would act as the sender.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return framework_rank, framework_world_size
-
-
-@dataclass(frozen=True)
-class Collectives:
-    """How trainer ranks agree, built by the framework adapter.
-
-    Both are collectives: every trainer rank calls them, in the same order.
-    ``WeightSync`` calls them only when ``world_size > 1``: once per optimizer
-    step for a ``train_time_interval`` decision, and twice per round (after
-    connect/pause and after the send) to agree on the outcome.
-
-    Attributes:
-        broadcast: ``broadcast(obj)`` returns rank 0's ``obj`` on every rank;
-            objects are JSON values (``bool``, ``str``, ``None``).
-        any_flag: ``any_flag(flag)`` returns ``True`` on every rank if any
-            rank passed ``True``.
-
-    Lightning::
-
-        Collectives(broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
-                    any_flag=lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False))
-
-    Accelerate (its processes share torch.distributed's default group):
-    ``Collectives.from_torch_distributed()``. Their waits are bounded by the
-    framework's process-group timeout, not by ``timeout_s``.
-    """
-
-    broadcast: Callable[[Any], Any]
-    any_flag: Callable[[bool], bool]
-
-    @classmethod
-    def from_torch_distributed(cls, group: Any = None) -> Collectives:
-        """Collectives over an initialized torch.distributed ``group`` (default:
-        the default group), whose rank 0 is trainer rank 0. Objects travel as
-        JSON, never pickled."""
-        import torch.distributed as dist
-
-        def device() -> torch.device:
-            if dist.get_backend(group) == "nccl":
-                return torch.device("cuda", torch.cuda.current_device())
-            return torch.device("cpu")
-
-        def src() -> int:
-            return 0 if group is None else dist.get_global_rank(group, 0)
-
-        def any_flag(flag: bool) -> bool:
-            value = torch.tensor([int(flag)], dtype=torch.int32, device=device())
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-            return bool(value.item())
-
-        def broadcast(obj: Any) -> Any:
-            root = src()
-            data = json.dumps(obj).encode() if dist.get_rank() == root else b""
-            size = torch.tensor([len(data)], dtype=torch.int64, device=device())
-            dist.broadcast(size, root, group=group)
-            if dist.get_rank() == root:
-                buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device())
-            else:
-                buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device())
-            dist.broadcast(buffer, root, group=group)
-            return json.loads(buffer.cpu().numpy().tobytes().decode())
-
-        return cls(broadcast=broadcast, any_flag=any_flag)
-
-
-@dataclass(frozen=True)
-class SyncResult:
-    """Metrics of one successful round, as seen by this rank.
-
-    Rank 0 transmits, so its ``bytes``/``gbps``/``transfer_seconds`` describe
-    the round; other ranks report ``bytes=0`` and their own gather time.
-    ``metrics()`` is what the framework adapters log, ``summary()`` the one
-    line logged per round.
-
-    Attributes:
-        version: the weight version the servers now report.
-        step: the training step whose weights were sent.
-        seconds: the whole round (connect if needed, pause, send, resume, agreement).
-        gather_seconds: producing the tensors (FSDP all-gathers, casts).
-        transfer_seconds: the rest of the send: server calls and broadcasts.
-        bytes: bytes put on the wire.
-        gbps: effective send rate, GB/s (1e9 bytes per second of the send).
-        pause_seconds: the ``/pause`` call.
-        syncs_completed: successful rounds of this ``WeightSync`` so far, this
-            one included (restored from a checkpoint on resume).
-        verify_max_logprob_diff: when the round was verified, the largest
-            |logprob difference| between a server and the trainer's model on
-            the probe prompts (``wt_callbacks.verify``); ``None`` otherwise.
-    """
-
-    version: str
-    step: int
-    seconds: float
-    gather_seconds: float
-    transfer_seconds: float
-    bytes: int
-    gbps: float
-    pause_seconds: float
-    syncs_completed: int
-    verify_max_logprob_diff: float | None = None
-
-    def metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
-        """Every numeric field keyed for a framework logger (``weight_sync/bytes``, ...)."""
-        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items() if k != "version" and v is not None}
-
-    def summary(self) -> str:
-        """The round in one line: ``weight sync step-20: 0.151 s, 800.0 MB, 5.29 GB/s (gather 0.010 s)``."""
-        return (
-            f"weight sync {self.version}: {self.seconds:.3f} s, {self.bytes / 1e6:.1f} MB, "
-            f"{self.gbps:.2f} GB/s (gather {self.gather_seconds:.3f} s)"
-            + (
-                f", verified: max logprob diff {self.verify_max_logprob_diff:.2e}"
-                if self.verify_max_logprob_diff is not None
-                else ""
-            )
-        )
 
 
 class _RankZeroOnly:
@@ -193,10 +65,6 @@ class _RankZeroOnly:
         raise WeightTransferError("only trainer rank 0 talks to the servers")
 
     init_weight_transfer_engine = start_weight_update = update_weights = finish_weight_update = _refuse
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 class WeightSync:
@@ -216,7 +84,8 @@ class WeightSync:
     agreement, so all ranks take the same branch. With ``on_error="raise"``
     every rank raises ``WeightTransferError`` naming the failure; with
     ``"warn"`` every rank logs, drops the engine (its group is out of step)
-    and reconnects at the next due round.
+    and reconnects at the next due round. Under ``send: async`` a round's
+    outcome is agreed on where the ranks meet next (``async_send``).
     """
 
     def __init__(
@@ -235,9 +104,11 @@ class WeightSync:
         self.rank = 0
         self.world_size = 1
         self.collectives: Collectives | None = None
+        self._agreement = Agreement()
         self.last_result: SyncResult | None = None
         self.syncs_completed = 0
         self.failures = 0
+        self.skipped = 0
         self.last_synced_step: int | None = None
         self.last_sync_time: float | None = None
         self.epochs_completed = 0
@@ -245,7 +116,11 @@ class WeightSync:
         self._last_time_check_step: int | None = None
         self._last_attempted_step: int | None = None
         self._paused = False
+        self._paused_at = 0.0
+        self.round_pauses = (0.0, 0.0)
+        """The last round's ``/pause`` call and generation pause, in seconds (rank 0)."""
         self._verifier: Verifier | None = None
+        self._async: AsyncSends | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -257,7 +132,8 @@ class WeightSync:
         Connecting to the servers follows ``on_error``: under ``"warn"`` a
         server that is not up yet is retried at the first due round.
         Mistakes in ``module`` / ``include`` / ``exclude`` / ``servers``
-        always raise ``ValueError``.
+        always raise ``ValueError``, as does a ``send: async`` snapshot that
+        does not fit in the host memory available (naming the bytes it needs).
         """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in 0..world_size-1 (world_size={world_size})")
@@ -268,10 +144,14 @@ class WeightSync:
             )
         self.close()
         self.rank, self.world_size, self.collectives = rank, world_size, collectives
+        self._agreement = Agreement(rank, world_size, collectives)
         cfg = self.config
         # The engine casts to the wire dtype (before any gather) from its config.
         self.source = ModuleSource(module, submodule=cfg.module, include=cfg.include, exclude=cfg.exclude)
         self._verifier = Verifier.for_config(cfg, self.source) if cfg.verify_every_n_syncs else None
+        if cfg.send == "async":
+            self._async = AsyncSends(self, module)
+            self._async.check_memory()
         if self._given_client is not None:
             self.client = self._given_client
         elif rank != 0:
@@ -282,7 +162,14 @@ class WeightSync:
         self._phase(self._connect, "connecting to the servers")
 
     def close(self) -> None:
-        """Leave the transfer group and close a client this object built."""
+        """Leave the transfer group and close a client this object built.
+
+        Under ``send: async`` a round still in flight gets ``CLEANUP_TIMEOUT_S``
+        to end; its outcome is logged (``sync_at_train_end`` collects the last
+        round of a run that ended normally)."""
+        if self._async is not None:
+            self._async.close()
+            self._async = None
         self._drop_engine()
         close = getattr(self.client, "close", None)
         if self.client is not self._given_client and callable(close):
@@ -307,7 +194,9 @@ class WeightSync:
         epoch ends are counted here. ``train_time_interval`` is decided on rank 0 from ``now``
         (``time.monotonic()`` seconds; default: now) and broadcast, so every
         rank takes the same decision. A step already on the servers is never
-        sent again.
+        sent again. Under ``send: async``, ``True`` means the round before
+        this one was collected here and succeeded (``last_result`` is that
+        round's); this one runs in the background.
         """
         key, every = self.config.trigger
         if epoch_end:
@@ -329,14 +218,20 @@ class WeightSync:
 
     def sync_at_fit_start(self, step: int) -> SyncResult | None:
         """Cold sync if ``sync_on_fit_start``, also after a resume: a restarted
-        server may hold anything, whatever the restored state says."""
-        return self.sync(step) if self.config.sync_on_fit_start else None
+        server may hold anything, whatever the restored state says. It
+        returns once the servers hold the weights, under ``send: async`` too."""
+        return self._sync(step, await_round=True) if self.config.sync_on_fit_start else None
 
     def sync_at_train_end(self, step: int) -> SyncResult | None:
-        """Final sync if ``sync_on_train_end`` and ``step`` is not on the servers yet."""
+        """Final sync if ``sync_on_train_end`` and ``step`` is not on the servers
+        yet; it returns once the servers hold the weights. Under ``send:
+        async`` the round still in flight is collected first, whatever
+        ``sync_on_train_end`` says; its result is returned when no final
+        round follows."""
+        collected = self._async.collect(step) if self._async is not None else None
         if self.config.sync_on_train_end and step != self.last_synced_step:
-            return self.sync(step)
-        return None
+            return self._sync(step, await_round=True)
+        return collected
 
     def _time_due(self, interval: float, now: float | None) -> bool:
         due = self.rank == 0 and (time.monotonic() if now is None else now) - self._last_attempt >= interval
@@ -359,34 +254,41 @@ class WeightSync:
         ``verify`` checks what the servers serve after this round, whatever
         ``verify_every_n_syncs`` says (see ``wt_callbacks.verify``); a check
         beyond the tolerance fails the round.
+
+        Under ``send: async`` the round runs in the background and this
+        returns the metrics of the round before it, collected here (``None``
+        when there was none, it failed under ``"warn"``, or this round was
+        skipped under ``async_overflow: skip``); with ``verify`` it waits for
+        this round and returns its own.
         """
+        return self._sync(step, version, now=now, verify=verify, await_round=verify)
+
+    def _sync(
+        self, step: int, version: str | None = None, *, now: float | None = None, verify: bool = False,
+        await_round: bool,
+    ) -> SyncResult | None:  # fmt: skip
         if self.source is None:
             raise RuntimeError("call setup(module, rank, world_size) before sync()")
         version = f"step-{step}" if version is None else version
-        start = time.perf_counter()
         # An attempt, failed or not, restarts the interval: a dead server is
         # retried once per interval, not at every step.
         self._last_attempt = time.monotonic() if now is None else now
-        pause_seconds = 0.0
+        verifier = self._verifier_for(verify)
+        if self._async is not None:
+            return self._async.round(step, version, await_round=await_round, verifier=verifier)
+        start = time.perf_counter()
+        staged = self.config.commit == "staged"
 
         def begin() -> None:
-            nonlocal pause_seconds
             if self.engine is None:
                 self._connect()
-            if self.rank == 0 and self._can_pause():
-                self._paused = True
-                t0 = time.perf_counter()
-                mode = self.config.pause_mode
-                bounded(lambda: self.client.pause(mode), "pause", within_s=self.config.timeout_s)
-                pause_seconds = time.perf_counter() - t0
+            if not staged:
+                self._pause()
 
         def send() -> None:
-            assert self.engine is not None
-            self.engine.send_weights(version)
-            self._resume()  # before the agreement: generation restarts while the ranks agree
+            self._send(version)
 
         verify_diff: float | None = None
-        verifier = self._verifier_for(verify)
 
         def check() -> None:
             nonlocal verify_diff
@@ -394,6 +296,7 @@ class WeightSync:
             verify_diff = verifier.check(self.rank, self.world_size, self.collectives)
 
         what = f"round for step {step} (version {version!r})"
+        self.round_pauses = (0.0, 0.0)
         try:
             ok = self._phase(begin, what) and self._phase(send, what)
             ok = ok and (verifier is None or self._phase(check, f"verification of {what}"))
@@ -404,25 +307,53 @@ class WeightSync:
         if not ok:
             self.failures += 1
             return None
-        self.syncs_completed += 1
-        self.last_synced_step = step
-        self.last_sync_time = time.time()
+        seconds = time.perf_counter() - start
         stats = self.engine.last_stats
-        self.last_result = SyncResult(
+        result = SyncResult(
             version=version,
             step=step,
-            seconds=time.perf_counter() - start,
+            seconds=seconds,
             gather_seconds=stats.gather_seconds,
             transfer_seconds=max(stats.seconds - stats.gather_seconds, 0.0),
             bytes=stats.bytes,
             gbps=stats.bytes / 1e9 / stats.seconds if stats.seconds > 0 else 0.0,
-            pause_seconds=pause_seconds,
-            syncs_completed=self.syncs_completed,
+            pause_seconds=self.round_pauses[0],
+            syncs_completed=self.syncs_completed + 1,
             verify_max_logprob_diff=verify_diff,
+            stall_seconds=seconds,
+            generation_paused_seconds=self.round_pauses[1],
         )
+        self._acknowledged(result)
+        return result
+
+    def _acknowledged(self, result: SyncResult, *, at: float | None = None) -> None:
+        """Count a round the servers acknowledged (``at``: when, ``time.time()``), on every rank alike."""
+        self.syncs_completed = result.syncs_completed
+        self.last_synced_step = result.step
+        self.last_sync_time = time.time() if at is None else at
+        self.last_result = result
         if self.rank == 0:
-            self._log(self.last_result.summary())
-        return self.last_result
+            self._log(result.summary())
+
+    def _send(self, version: str) -> None:
+        """Every rank: the engine's round, then (rank 0) generation resumed.
+        Under ``commit: staged`` generation is paused only once the servers
+        staged the whole round, right before its commit."""
+        assert self.engine is not None
+        if self.config.commit == "staged" and self.rank == 0:
+            self.engine.send_weights(version, commit_gate=self._pause)
+        else:
+            self.engine.send_weights(version)
+        self._resume()  # before the agreement: generation restarts while the ranks agree
+
+    def _pause(self) -> None:
+        """Rank 0: pause generation on every server, if configured."""
+        if self.rank != 0 or not self._can_pause():
+            return
+        self._paused = True
+        self._paused_at = time.perf_counter()
+        bounded(lambda: self.client.pause(self.config.pause_mode), "pause", within_s=self.config.timeout_s)
+        self.round_pauses = (time.perf_counter() - self._paused_at, 0.0)
 
     def _verifier_for(self, asked: bool) -> Verifier | None:
         """The verifier if this round is checked: asked for, or every
@@ -448,6 +379,7 @@ class WeightSync:
             # A failure leaves _paused set: the quiet retry follows.
             bounded(self.client.resume, "resume", within_s=self.config.timeout_s)
             self._paused = False
+            self.round_pauses = (self.round_pauses[0], time.perf_counter() - self._paused_at)
             return
         self._paused = False
         error = best_effort(self.client.resume, "resume", within_s=min(self.config.timeout_s, CLEANUP_TIMEOUT_S))
@@ -457,6 +389,8 @@ class WeightSync:
     def _connect(self) -> None:
         assert self.source is not None
         cfg = self.config
+        if self._async is not None and self.rank != 0:
+            return  # only rank 0 sends, from its snapshot: the other ranks need no engine
         if self.client is None:
             self.client = self._build_client()
             if cfg.pause_mode is not None and not callable(getattr(self.client, "pause", None)):
@@ -464,12 +398,13 @@ class WeightSync:
                     "pause=%r: %s cannot pause generation; rounds run without pausing (set pause: none "
                     "to silence this)", cfg.pause, type(self.client).__name__,
                 )
+        source: WeightSource = self.source if self._async is None else self._async.snapshot
         self.engine = WeightTransferTrainerFactory.trainer_init(
             cfg.backend,
             cfg.backend_config(),
             cfg.init_info_for(self.rank),
             client=self.client,
-            source=self.source,
+            source=source,
         )
 
     def _build_client(self) -> VLLMWeightSyncClient:
@@ -495,40 +430,16 @@ class WeightSync:
             # in a local: that would form a cycle (exception -> traceback ->
             # frame -> local) keeping the failed engine's sockets, and a fixed
             # master_port, busy until the garbage collector runs.
-            self._fail(what, self._agree(_describe(e)), e)
+            self._fail(what, self._agreement.agree(describe(e)), e)
             return False
-        error = self._agree(None)
+        error = self._agreement.agree(None)
         if error is not None:
             self._fail(what, error, None)
             return False
         return True
 
-    def _agree(self, local: str | None) -> str | None:
-        """The round's error as every rank sees it: rank 0's if it failed
-        (the rank that talks to the servers), else this rank's own.
-
-        The agreement is a collective of the trainer's own ranks: if it fails,
-        a trainer rank is gone and no ``on_error`` can keep training, so it
-        raises ``WeightTransferError`` on every rank still alive.
-        """
-        if self.world_size == 1:
-            return None if local is None else f"trainer rank 0: {local}"
-        assert self.collectives is not None
-        try:
-            if not self.collectives.any_flag(local is not None):
-                return None
-            first = self.collectives.broadcast(local if self.rank == 0 else None)
-        except Exception as e:
-            raise WeightTransferError(
-                f"trainer rank {self.rank} could not agree with the other trainer ranks on the weight sync "
-                f"round ({_describe(e)}): a trainer rank died or hung"
-                + (f"; this rank's own error: {local}" if local else "")
-            ) from e
-        if first is not None:
-            return f"trainer rank 0: {first}"
-        return f"trainer rank {self.rank}: {local}" if local else "another trainer rank failed (see its log)"
-
-    def _fail(self, what: str, error: str | None, exc: Exception | None) -> None:
+    def _fail(self, what: str, error: str | None, exc: Exception | None = None) -> None:
+        """Apply ``on_error`` to a failed round (``error``: where and why), on every rank alike."""
         self._drop_engine()
         message = f"weight sync {what} failed on {error}"
         if self.config.on_error == "raise":
@@ -554,9 +465,14 @@ class WeightSync:
         ``failures``: rounds that failed so far (a round that had to connect
         first counts once; the connect in ``setup`` is no round).
         ``steps_behind``: optimizer steps between ``step`` and the step the
-        servers serve; absent until a round succeeded.
+        servers serve (acknowledged: under ``send: async`` a round in flight
+        does not count until it is collected); absent until a round
+        succeeded. ``skipped`` (``send: async`` only): due rounds skipped
+        because one was still in flight (``async_overflow: skip``).
         """
         gauges = {f"{prefix}failures": float(self.failures)}
+        if self.config.send == "async":
+            gauges[f"{prefix}skipped"] = float(self.skipped)
         if self.last_synced_step is not None:
             gauges[f"{prefix}steps_behind"] = float(step - self.last_synced_step)
         return gauges
@@ -564,14 +480,25 @@ class WeightSync:
     # -- resume state --------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps: rounds done and failed, last synced step and wall-clock time, epochs seen."""
-        return {
+        """What a checkpoint keeps: rounds done, failed and skipped, last synced
+        step and wall-clock time, epochs seen.
+
+        Only steps the servers acknowledged: under ``send: async``, trainer
+        rank 0 (whose state a checkpoint keeps) first waits for a round in
+        flight and counts its outcome here, without applying ``on_error``,
+        which the next point where the ranks meet does. No collective: a
+        framework may ask rank 0 alone."""
+        state = {
             "syncs_completed": self.syncs_completed,
             "failures": self.failures,
+            "skipped": self.skipped,
             "last_synced_step": self.last_synced_step,
             "last_sync_time": self.last_sync_time,
             "epochs_completed": self.epochs_completed,
         }
+        if self._async is not None:
+            state.update(self._async.settled_counters())
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()``; keys it lacks keep their current value."""
