@@ -71,7 +71,7 @@ class BackgroundRound:
 
     def _run(self) -> dict[str, Any]:
         ws = self._ws
-        ws.round_pauses = (0.0, 0.0)
+        ws.pausing.reset()
         start = time.perf_counter()
         try:
             if ws.engine is None:
@@ -94,8 +94,8 @@ class BackgroundRound:
             "transfer_seconds": stats.seconds,
             "bytes": stats.bytes,
             "gbps": stats.bytes / 1e9 / stats.seconds if stats.seconds > 0 else 0.0,
-            "pause_seconds": ws.round_pauses[0],
-            "generation_paused_seconds": ws.round_pauses[1],
+            "pause_seconds": ws.pausing.call_seconds,
+            "generation_paused_seconds": ws.pausing.paused_seconds,
             "latency_seconds": time.perf_counter() - self._started,
             "finished_at": time.time(),
         }

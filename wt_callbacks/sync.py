@@ -37,17 +37,10 @@ import torch
 from wt_callbacks.async_send import AsyncSends
 from wt_callbacks.collectives import Agreement, Collectives, describe, trainer_ranks
 from wt_callbacks.config import SyncConfig
+from wt_callbacks.connection import RankZeroOnly, build_client
+from wt_callbacks.pausing import GenerationPause
 from wt_callbacks.results import SyncResult
-from wt_callbacks.transfer.base import (
-    CLEANUP_TIMEOUT_S,
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightSource,
-    WeightTransferError,
-    best_effort,
-    bounded,
-)
-from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
+from wt_callbacks.transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource, WeightTransferError
 from wt_callbacks.transfer.factory import WeightTransferTrainerFactory
 from wt_callbacks.transfer.sources import ModuleSource
 from wt_callbacks.verify import Verifier
@@ -55,16 +48,6 @@ from wt_callbacks.verify import Verifier
 __all__ = ["Collectives", "SyncResult", "WeightSync", "trainer_ranks"]
 
 logger = logging.getLogger(__name__)
-
-
-class _RankZeroOnly:
-    """The client of trainer ranks > 0. Engines hold a client on every rank but
-    only rank 0 calls it, so other ranks need no session (nor a Ray connection)."""
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise WeightTransferError("only trainer rank 0 talks to the servers")
-
-    init_weight_transfer_engine = start_weight_update = update_weights = finish_weight_update = _refuse
 
 
 class WeightSync:
@@ -115,10 +98,8 @@ class WeightSync:
         self._last_attempt = time.monotonic()
         self._last_time_check_step: int | None = None
         self._last_attempted_step: int | None = None
-        self._paused = False
-        self._paused_at = 0.0
-        self.round_pauses = (0.0, 0.0)
-        """The last round's ``/pause`` call and generation pause, in seconds (rank 0)."""
+        self.pausing = GenerationPause(config)
+        """Rank 0's pause of the servers around a round, and its timing."""
         self._verifier: Verifier | None = None
         self._async: AsyncSends | None = None
 
@@ -155,7 +136,7 @@ class WeightSync:
         if self._given_client is not None:
             self.client = self._given_client
         elif rank != 0:
-            self.client = _RankZeroOnly()
+            self.client = RankZeroOnly()
         # Rank 0 builds its client in _connect, inside an agreed phase: a Ray
         # actor that does not exist must fail every rank, not rank 0 alone.
         self._last_attempt = time.monotonic()
@@ -296,7 +277,7 @@ class WeightSync:
             verify_diff = verifier.check(self.rank, self.world_size, self.collectives)
 
         what = f"round for step {step} (version {version!r})"
-        self.round_pauses = (0.0, 0.0)
+        self.pausing.reset()
         try:
             ok = self._phase(begin, what) and self._phase(send, what)
             ok = ok and (verifier is None or self._phase(check, f"verification of {what}"))
@@ -317,11 +298,11 @@ class WeightSync:
             transfer_seconds=max(stats.seconds - stats.gather_seconds, 0.0),
             bytes=stats.bytes,
             gbps=stats.bytes / 1e9 / stats.seconds if stats.seconds > 0 else 0.0,
-            pause_seconds=self.round_pauses[0],
+            pause_seconds=self.pausing.call_seconds,
             syncs_completed=self.syncs_completed + 1,
             verify_max_logprob_diff=verify_diff,
             stall_seconds=seconds,
-            generation_paused_seconds=self.round_pauses[1],
+            generation_paused_seconds=self.pausing.paused_seconds,
         )
         self._acknowledged(result)
         return result
@@ -348,12 +329,8 @@ class WeightSync:
 
     def _pause(self) -> None:
         """Rank 0: pause generation on every server, if configured."""
-        if self.rank != 0 or not self._can_pause():
-            return
-        self._paused = True
-        self._paused_at = time.perf_counter()
-        bounded(lambda: self.client.pause(self.config.pause_mode), "pause", within_s=self.config.timeout_s)
-        self.round_pauses = (time.perf_counter() - self._paused_at, 0.0)
+        if self.rank == 0:
+            self.pausing.pause(self.client)
 
     def _verifier_for(self, asked: bool) -> Verifier | None:
         """The verifier if this round is checked: asked for, or every
@@ -366,25 +343,8 @@ class WeightSync:
             self._verifier = Verifier.for_config(self.config, self.source)
         return self._verifier
 
-    def _can_pause(self) -> bool:
-        return self.config.pause_mode is not None and callable(getattr(self.client, "pause", None))
-
     def _resume(self, *, quiet: bool = False) -> None:
-        """Resume servers this round paused. ``quiet`` (after a failure) logs
-        a failure instead of raising it, so it never masks the error that
-        ended the round, and waits at most ``CLEANUP_TIMEOUT_S``."""
-        if not self._paused:
-            return
-        if not quiet:
-            # A failure leaves _paused set: the quiet retry follows.
-            bounded(self.client.resume, "resume", within_s=self.config.timeout_s)
-            self._paused = False
-            self.round_pauses = (self.round_pauses[0], time.perf_counter() - self._paused_at)
-            return
-        self._paused = False
-        error = best_effort(self.client.resume, "resume", within_s=min(self.config.timeout_s, CLEANUP_TIMEOUT_S))
-        if error is not None:
-            logger.warning("could not resume the servers after a failed round: %s", error)
+        self.pausing.resume(self.client, quiet=quiet)
 
     def _connect(self) -> None:
         assert self.source is not None
@@ -392,12 +352,7 @@ class WeightSync:
         if self._async is not None and self.rank != 0:
             return  # only rank 0 sends, from its snapshot: the other ranks need no engine
         if self.client is None:
-            self.client = self._build_client()
-            if cfg.pause_mode is not None and not callable(getattr(self.client, "pause", None)):
-                logger.warning(
-                    "pause=%r: %s cannot pause generation; rounds run without pausing (set pause: none "
-                    "to silence this)", cfg.pause, type(self.client).__name__,
-                )
+            self.client = build_client(cfg)
         source: WeightSource = self.source if self._async is None else self._async.snapshot
         self.engine = WeightTransferTrainerFactory.trainer_init(
             cfg.backend,
@@ -405,17 +360,6 @@ class WeightSync:
             cfg.init_info_for(self.rank),
             client=self.client,
             source=source,
-        )
-
-    def _build_client(self) -> VLLMWeightSyncClient:
-        cfg = self.config
-        if cfg.servers:
-            try:
-                return HTTPVLLMWeightSyncClient(cfg.servers, timeout=cfg.timeout_s, api_key=cfg.api_key)
-            except ValueError as e:
-                raise ValueError(f"servers: {e}") from e
-        return RayVLLMWeightSyncClient(
-            cfg.ray_actors, timeout=cfg.timeout_s, namespace=cfg.ray_namespace, api_key=cfg.api_key
         )
 
     # -- agreement and failure ----------------------------------------------

@@ -36,7 +36,6 @@ from wt_callbacks.transfer.base import (
     check_full_tensors,
     check_sender_owns_all,
     drain,
-    dtype_name,
     finish_with_version,
     in_daemon_thread,
     source_metadata,
