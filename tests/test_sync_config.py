@@ -160,6 +160,13 @@ def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
         ({"init_info": {"master_prot": 1}}, r"init_info for TorchDist\w+: unknown key 'master_prot'; did you mean 'master_port'\?"),
         ({"init_info": {"master_port": 70000}}, r"init_info for TorchDist\w+: master_port must be in 0\.\.65535, got 70000"),
         ({"init_info": {"rank": 1}}, r"init_info: remove 'rank'; each trainer process sets its own rank"),
+        ({"send": "asynch"}, r"send='asynch' is not one of \('blocking', 'async'\); did you mean 'async'\?"),
+        ({"commit": "stage"}, r"commit='stage' is not one of \('inline', 'staged'\); did you mean 'staged'\?"),
+        ({"async_overflow": "drop"}, r"async_overflow='drop' is not one of \('wait', 'skip'\)"),
+        ({"send": "async", "backend": "nccl"}, r"send: async needs backend: torch_dist, not 'nccl': vLLM's own nccl/ipc transfer runs a NCCL communicator, which must not run beside the training's own collectives; set send: blocking"),
+        ({"commit": "staged", "backend": "ipc"}, r"commit: staged needs backend: torch_dist, not 'ipc': .*; set commit: inline"),
+        ({"send": "async", "config": {"transport": "nccl"}}, r"send: async cannot use config.transport: nccl: a NCCL broadcast on a background thread"),
+        ({"send": "async", "verify_every_n_syncs": 5}, r"verify_every_n_syncs: under send: async .* call sync_now\(verify=True\)"),
     ],
 )
 def test_validation_messages_name_the_key(bad, match):

@@ -225,9 +225,9 @@ class SyncConfig:
 
         # The backend's own parsers check the nested sections now, so a typo
         # there fails at setup like a typo at the top level.
+        self._check_background()
         engine_cls = WeightTransferTrainerFactory.engine_class(self.backend)
         engine_cls.parse_settings(self.backend_config(), self.init_info_for(rank=0))
-        self._check_background()
 
     def _check_background(self) -> None:
         """``commit: staged`` and ``send: async`` only where they can be honoured."""
