@@ -49,6 +49,9 @@ __all__ = ["Collectives", "SyncResult", "WeightSync", "trainer_ranks"]
 
 logger = logging.getLogger(__name__)
 
+STATE_KEYS = ("syncs_completed", "failures", "skipped", "last_synced_step", "last_sync_time", "epochs_completed")
+"""What ``state_dict`` holds: the counters a checkpoint keeps."""
+
 
 class WeightSync:
     """Keeps inference servers on the trainer's weights; one instance per trainer rank.
@@ -432,21 +435,14 @@ class WeightSync:
         flight and counts its outcome here, without applying ``on_error``,
         which the next point where the ranks meet does. No collective: a
         framework may ask rank 0 alone."""
-        state = {
-            "syncs_completed": self.syncs_completed,
-            "failures": self.failures,
-            "skipped": self.skipped,
-            "last_synced_step": self.last_synced_step,
-            "last_sync_time": self.last_sync_time,
-            "epochs_completed": self.epochs_completed,
-        }
+        state = {key: getattr(self, key) for key in STATE_KEYS}
         if self._async is not None:
             state.update(self._async.settled_counters())
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()``; keys it lacks keep their current value."""
-        unknown = set(state) - set(self.state_dict())
+        unknown = set(state) - set(STATE_KEYS)
         if unknown:
             raise ValueError(f"weight sync state: unknown keys {sorted(unknown)}")
         for key, value in state.items():
