@@ -35,7 +35,11 @@ After each block and each training mode the server's greedy logprobs are
 compared with the trainer's model (exit status 1 beyond ``LOGPROB_TOLERANCE``:
 a round did not deliver). ``--server URL --model-dir DIR`` runs against a
 server that is already up, serving ``DIR`` (its weights are overwritten).
-``--phases`` runs one table alone. The weights are written once before
+``--split-cores`` runs the trainer on the first half of the CPUs and the
+server (its processes, and vLLM's OpenMP threads) on the other half, as a
+trainer and a server on machines of their own would; by default both share
+every core, and a background round then competes with the training step
+for them. ``--phases`` runs one table alone. The weights are written once before
 anything is measured, so the checkpoint's pages the model was loaded from
 (copy-on-write) do not count as the trainer's extra memory. The CPU cores
 other processes used meanwhile are reported: on a shared machine the
@@ -210,8 +214,11 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
             sys.exit(2)
         model_dir = build_model_dir(size, workdir / size / "model")
         print(f"[{size}] starting vLLM ...", flush=True)
-        server = start_vllm_server(python, model_dir, workdir / size / "vllm.log", timeout_s=args.timeout)
+        env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, args.server_cpus))} if args.server_cpus else None
+        server = start_vllm_server(python, model_dir, workdir / size / "vllm.log", timeout_s=args.timeout, extra_env=env)
         target = Target(server.url, None, server_pids(server))
+        for pid in target.pids if args.server_cpus else ():
+            os.sched_setaffinity(pid, args.server_cpus)
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     scaled(model)  # the loaded pages, copied on this first write, are the model's own from here on
     n_params = sum(p.numel() for p in model.parameters())
@@ -286,6 +293,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     parser.add_argument("--phases", default="stall,training", help="comma-separated: stall, training")
+    parser.add_argument("--split-cores", action="store_true", help="trainer and server on separate halves of the CPUs")
     parser.add_argument("--timeout", type=float, default=300.0, help="bound in seconds on startup and each call")
     parser.add_argument("--server", help="a running server to use (with --model-dir); its weights are overwritten")
     parser.add_argument("--model-dir", type=Path, help="the checkpoint --server serves")
@@ -295,7 +303,14 @@ def main() -> int:
     args = parser.parse_args()
     if args.server and not args.model_dir:
         parser.error("--server needs --model-dir")
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    cpus = sorted(os.sched_getaffinity(0))
+    args.server_cpus = None
+    if args.split_cores:
+        if len(cpus) < 2:
+            parser.error("--split-cores needs 2 CPUs or more")
+        trainer_cpus, args.server_cpus = set(cpus[: len(cpus) // 2]), set(cpus[len(cpus) // 2 :])
+        os.sched_setaffinity(0, trainer_cpus)
+    torch.set_num_threads(max(1, len(cpus) // 2))
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()] if not args.server else ["given"]
     with tempfile.TemporaryDirectory(prefix="wt-async-bench-") as tmp:
         results = [bench_size(size, args, Path(tmp)) for size in sizes]
@@ -305,6 +320,7 @@ def main() -> int:
         "benchmark": "async_send",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "args": {k: str(v) for k, v in vars(args).items() if k != "api_key"},
+        "cores": "split: trainer, server" if args.split_cores else "shared",
         "results": results,
     }
     if args.out:

@@ -267,6 +267,36 @@ def test_pause_keep_round_with_concurrent_completions(server: VLLMServer, traine
         assert max(abs(a - b) for a, b in zip(served, expected)) <= FP32_ATOL
 
 
+def test_send_async_serves_the_snapshot_step_while_training_runs_on(server: VLLMServer, trainer_model, tokenizer, prompts) -> None:
+    """The round of step 1 is held before its first call while training takes
+    two more steps; once it ran, vLLM serves step 1's weights, not the trainer's."""
+    from tests.support.faults import FaultyClient
+    from wt_callbacks.config import SyncConfig
+    from wt_callbacks.sync import WeightSync
+
+    client = FaultyClient(HTTPVLLMWeightSyncClient(server.url, timeout=ROUND_TIMEOUT_S, api_key=server.api_key))
+    config = SyncConfig(servers=[server.url], api_key=server.api_key, send="async", timeout_s=ROUND_TIMEOUT_S)
+    ws = WeightSync(config, client=client)
+    ws.setup(trainer_model)
+    try:
+        assert ws.sync_at_fit_start(0) is not None
+        release = threading.Event()
+        client.strike_before("start_weight_update", release.wait)
+        train(trainer_model, tokenizer, steps=2, seed=11)
+        ws.maybe_sync(1)
+        at_step_1 = copy.deepcopy(trainer_model)
+        train(trainer_model, tokenizer, steps=2, seed=12)
+        release.set()
+        assert ws.state_dict()["last_synced_step"] == 1  # waits for the round
+        assert max_logprob_diff(server, at_step_1, prompts) <= FP32_ATOL
+        assert max_logprob_diff(server, trainer_model, prompts) > 100 * FP32_ATOL
+        result = ws.sync_at_train_end(2)
+        assert result is not None and result.step == 2
+        assert max_logprob_diff(server, trainer_model, prompts) <= FP32_ATOL
+    finally:
+        ws.close()
+
+
 def test_bf16_wire_into_fp32_server(server: VLLMServer, trainer_model, tokenizer, prompts) -> None:
     train(trainer_model, tokenizer, steps=3, seed=4)
     with trainer_engine(server, trainer_model, dtype="bfloat16") as (engine, _):
@@ -542,3 +572,24 @@ def test_push_vs_reload_benchmark_smoke(vllm_python, tmp_path):
     # The worker's own view of the update, from the line it logs after each one.
     worker = push["worker_s"]
     assert worker is not None and 0 <= worker["waiting_s"] <= worker["receive_s"] and worker["apply_s"] >= 0, push
+
+
+def test_async_send_benchmark_smoke(server: VLLMServer, model_dir: Path, tmp_path: Path) -> None:
+    """The trainer-stall and training harness, on the session's server (no timing assertions)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support import REPO_ROOT
+
+    out = tmp_path / "async.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/async_send.py", "--server", server.url, "--model-dir", str(model_dir),
+         "--rounds", "1", "--blocks", "1", "--steps", "2", "--out", str(out)],
+        cwd=REPO_ROOT, env={**os.environ, "VLLM_API_KEY": server.api_key or ""},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["stall"]["trainer_rss_extra_bytes"]["async"] > 0 and result["stall"]["async_snapshot_s"] is not None
+    assert set(result["training"]["modes"]) == {"none", "blocking", "async"}
