@@ -62,8 +62,10 @@ class HostSnapshot(WeightSource):
         self.source = source
         self.pin_memory = pin_memory
         self._buffer = torch.empty(0, dtype=torch.uint8)
-        self._metas: list[ParamMeta] = []
+        self._metas: list[ParamMeta] = []  # of the last capture that completed
         self._offsets: list[int] = []
+        self._pending: list[ParamMeta] = []  # of the capture under way
+        self._copied = 0
 
     @property
     def nbytes(self) -> int:
