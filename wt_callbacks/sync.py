@@ -14,9 +14,10 @@ thin translations of their framework's events into these calls::
     ws.close()
 
 Metrics: ``SyncResult.metrics()`` once per successful round (an event, logged
-at the step it happened) and ``WeightSync.gauges(step)`` (failed rounds so
-far, how far the servers lag), which the adapters log on their framework's
-own logging cadence.
+at the step it happened; ``WeightSync.take_results()`` hands out each round
+once, also the rounds ``send: async`` collects later) and
+``WeightSync.gauges(step)`` (failed rounds so far, how far the servers lag),
+which the adapters log on their framework's own logging cadence.
 
 Trainer ranks agree through ``Collectives``, two callables the framework
 adapter builds from its own distributed plumbing, so this module imports no
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +51,8 @@ __all__ = ["Collectives", "SyncResult", "WeightSync", "trainer_ranks"]
 
 logger = logging.getLogger(__name__)
 
+UNREPORTED_KEPT = 64
+"""Results ``take_results`` hands out at most: older ones not taken are dropped."""
 STATE_KEYS = ("syncs_completed", "failures", "skipped", "last_synced_step", "last_sync_time", "epochs_completed")
 """What ``state_dict`` holds: the counters a checkpoint keeps."""
 
@@ -92,6 +96,7 @@ class WeightSync:
         self.collectives: Collectives | None = None
         self._agreement = Agreement()
         self.last_result: SyncResult | None = None
+        self._unreported: deque[SyncResult] = deque(maxlen=UNREPORTED_KEPT)
         self.syncs_completed = 0
         self.failures = 0
         self.skipped = 0
@@ -316,8 +321,18 @@ class WeightSync:
         self.last_synced_step = result.step
         self.last_sync_time = time.time() if at is None else at
         self.last_result = result
+        self._unreported.append(result)
         if self.rank == 0:
             self._log(result.summary())
+
+    def take_results(self) -> list[SyncResult]:
+        """The rounds acknowledged since the last call, oldest first (on every
+        rank): what a framework adapter logs, one row each. Under ``send:
+        async`` a round is acknowledged where it is collected, so a call can
+        return two (the final sync collects the round in flight first)."""
+        results = list(self._unreported)
+        self._unreported.clear()
+        return results
 
     def _send(self, version: str) -> None:
         """Every rank: the engine's round, then (rank 0) generation resumed.
