@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from wt_callbacks.transfer.base import ParamMeta, WeightSource, drain
+from wt_callbacks.transfer.weight_source import Metadata, ParamMeta, WeightSource, drain, source_metadata
 from wt_callbacks.transfer.packing import copy_as_wire, plan_chunks, unpack
 from wt_callbacks.transfer.validation import checked_stream
 
@@ -74,7 +74,7 @@ class HostSnapshot(WeightSource):
 
     def required_bytes(self) -> int:
         """Bytes a capture needs: every sent tensor in its wire dtype (no gather)."""
-        return sum(m.nbytes for m in self.source.metadata())
+        return sum(m.nbytes for m in source_metadata(self.source))
 
     def capture(self, *, is_sender: bool = True) -> float:
         """One pass of the source into the buffer; returns the seconds spent
@@ -85,7 +85,7 @@ class HostSnapshot(WeightSource):
         with the metadata fails the capture; the sending rank then still
         finishes the pass, so the other ranks' gathers complete.
         """
-        metas = self.source.metadata()
+        metas = source_metadata(self.source)
         if not is_sender:
             return _timed_pass(self.source.gather_only())
         self._allocate(metas)
@@ -128,8 +128,8 @@ class HostSnapshot(WeightSource):
         start = self._offsets[i]
         return self._buffer[start : start + self._pending[i].nbytes]
 
-    def metadata(self) -> list[ParamMeta]:
-        return list(self._metas)
+    def metadata(self) -> Metadata:  # type: ignore[override]
+        return Metadata(self._metas)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for m, start in zip(self._metas, self._offsets):
@@ -146,7 +146,7 @@ class HostSnapshot(WeightSource):
 
     def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightSource:
         """Itself: it holds the wire dtype its source yields; another one is refused."""
-        wrong = [m.name for m in self.source.metadata() if m.dtype.is_floating_point and dtype not in (None, m.dtype)]
+        wrong = [m.name for m in source_metadata(self.source) if m.dtype.is_floating_point and dtype not in (None, m.dtype)]
         if wrong:
             raise ValueError(f"a host snapshot holds its source's wire dtype; {wrong[0]!r} is not {dtype}")
         return self
