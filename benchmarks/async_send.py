@@ -319,7 +319,8 @@ def main() -> int:
     report = {
         "benchmark": "async_send",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-        "args": {k: str(v) for k, v in vars(args).items() if k != "api_key"},
+        # The measurement's knobs, not where it wrote or which server it used.
+        "args": {k: str(v) for k, v in vars(args).items() if k not in ("api_key", "out", "md", "server", "model_dir", "server_cpus")},
         "cores": "split: trainer, server" if args.split_cores else "shared",
         "results": results,
     }
