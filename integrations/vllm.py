@@ -92,6 +92,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
     from wt_callbacks.integrations.vllm_layerwise import failed_load_warnings_quieted, processing_deferred
     from wt_callbacks.integrations.vllm_reload import ReloadGuard
     from wt_callbacks.transfer.backends.torch_dist import TorchDistWeightTransferEngine
+    from wt_callbacks.transfer.backends.torch_dist.worker import StagedTensors
 
     class VLLMTorchDistWeightTransferEngine(TorchDistWeightTransferEngine):
         """``TorchDistWeightTransferEngine`` inside a vLLM worker.
@@ -123,6 +124,17 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
         before anything was received too (a malformed or foreign
         update_info, a mismatched model): it ends vLLM's update but not our
         transfer session, so the trainer's next round works.
+
+        A staged update (the trainer's ``commit: staged``) is checked as any
+        other before any byte moves (the check runs the model's loaders with
+        layerwise reload initialized and undone inside the RPC), then
+        received on a thread into ``StagedTensors`` while vLLM keeps
+        generating: the served model is not touched until
+        ``finish_weight_update``, which waits for the staging and then does
+        what an update does (layerwise reload, the model's ``load_weights``,
+        every layer processed once all of it is loaded, the checks at
+        finish). A staging that failed, or whose trainer left the group
+        before this finish, is discarded and the finish raises.
         """
 
         def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
@@ -134,6 +146,8 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             self._reload_begun = False
             self._polls = vllm_cpu_tuning.WorkerPolls()
             self._applied_s = 0.0
+            self._staged: StagedTensors | None = None
+            self._inline_session = False  # the session's last update was inline (see start_weight_update)
 
         def start_weight_update(self) -> None:
             # Layerwise reload turns every layer into meta tensors until its
@@ -142,7 +156,18 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             # frozen) would leave a server that crashes on its next request;
             # it begins with the round's first update instead.
             self._reload_begun = False
-            self._polls.enter()
+            # The worker waits for the next call without spinning only in a
+            # session whose rounds are inline (the trainer pauses the server
+            # for them): while the engine steps, as it does around a staged
+            # round, a polling worker was woken up to 5 s late (vLLM's
+            # recheck interval) for the steps' calls. A session's first
+            # round does not tell yet: it spins, as vLLM does.
+            if self._inline_session:
+                self._polls.enter()
+
+        def init_transfer_engine(self, init_info: Any) -> None:
+            super().init_transfer_engine(init_info)
+            self._inline_session = False  # a new trainer: its rounds may be of either kind
 
         def _begin_reload(self) -> None:
             if not self._reload_begun:
@@ -152,6 +177,10 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
 
         def finish_weight_update(self) -> None:
             self._polls.exit()
+            staged, self._staged = self._staged, None
+            if staged is not None:
+                self.finish_staging()  # raises with the served model untouched
+                self._commit(staged)
             if not self._guard.round_open:
                 # No update arrived (the weights were never touched), or the
                 # clean-up finish a trainer sends after a failed round: vLLM
@@ -174,6 +203,15 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 )
 
         def update_weights(self, update_info: Any) -> None:
+            typed = self.parse_update_info(update_info)
+            if typed.staged:
+                staged = StagedTensors()
+                self._inline_session = False
+                self._polls.exit()  # the engine steps while the round stages: vLLM's own waiting
+                self.stage_weights(typed, into=staged)
+                self._staged = staged
+                return
+            self._inline_session = True
             try:
                 self._begin_reload()
                 super().update_weights(update_info)
@@ -197,13 +235,18 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
 
         def log_receiving(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
             # Under vLLM's logger: the base engine's has no handler here.
+            if update_info.staged:
+                logger.info("wt_callbacks update_weights: staging %d tensors while the server generates", len(update_info.names))
+                return
             logger.info(
                 "wt_callbacks update_weights: receiving %d tensors, layers applied %s",
                 len(update_info.names), "once all arrived" if self.init_info.all_or_nothing else "as each completes",
             )  # fmt: skip
 
         def check_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
-            reason = self._guard.refusal(update_info.names, update_info.dtypes, update_info.shapes)
+            reason = self._guard.refusal(
+                update_info.names, update_info.dtypes, update_info.shapes, serving=update_info.staged
+            )
             if reason is not None:
                 raise ValueError(
                     f"{reason}. Nothing was received; the server keeps the previous weights. The trainer "
@@ -212,6 +255,37 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 )
 
         def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+            with self._loading():
+                super().receive_weights(update_info)
+
+        def _commit(self, staged: StagedTensors) -> None:
+            """Load a staged round into the served model, as an update loads
+            what it receives; a failure puts the previous weights back."""
+            started = time.perf_counter()
+            try:
+                self._begin_reload()
+                with self._loading() as tracker:
+                    tracker.load_weights(iter(staged.tensors))
+            except Exception:
+                try:
+                    self._abandon_reload()
+                except Exception:  # noqa: BLE001 - report the error that ended the round
+                    logger.exception("restoring the previous weights after a failed commit failed")
+                raise
+            received = self.last_receive
+            logger.info(
+                "wt_callbacks finish_weight_update: %d staged tensors, %.1f MB received in %.3f s while the "
+                "server generated; committed in %.3f s (%.3f s of it vLLM's processing)",
+                len(staged.tensors), (received.bytes if received else 0) / 1e6, received.seconds if received else 0.0,
+                time.perf_counter() - started, self._applied_s,
+            )  # fmt: skip
+
+        @contextlib.contextmanager
+        def _loading(self) -> Any:
+            """Around a load into the served model: the tracker in its place
+            (``self.model`` while the body runs, yielded), every layer's
+            processing deferred to the body's end unless the trainer's
+            ``all_or_nothing`` is off, and a loader's error named."""
             layerwise = self.init_info is not None and not self.init_info.all_or_nothing
             model = self.model
             tracker = _LoadTracker(model)
@@ -222,7 +296,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             try:
                 deferred = contextlib.nullcontext() if layerwise else processing_deferred()
                 with disable_mtp_completeness_check(), deferred:
-                    super().receive_weights(update_info)
+                    yield tracker
                     received = time.perf_counter()
                 self._applied_s = time.perf_counter() - received
             except Exception as e:

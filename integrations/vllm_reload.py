@@ -32,13 +32,14 @@ without them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from wt_callbacks.integrations.vllm_layerwise import missing_reload_internals
+from wt_callbacks.integrations.vllm_layerwise import missing_reload_internals, reload_undone
 from wt_callbacks.integrations.vllm_load_trace import Coverage, Meta, checkpoint_metas, shard_key, trace_load
 from wt_callbacks.integrations.vllm_reload_state import LiveParameters, MoeKernelRebuild, TiedParameters
 
@@ -127,15 +128,20 @@ class ReloadGuard:
         self.moe.start()
         self.round_open = True
 
-    def refusal(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> str | None:
+    def refusal(
+        self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], *, serving: bool = False
+    ) -> str | None:
         """Why a round announcing these tensors must be refused before any byte
         moves, or ``None``. A round announcing what an accepted one announced
-        is accepted without tracing again: loaders do not look at values."""
+        is accepted without tracing again: loaders do not look at values.
+        ``serving``: layerwise reload is not under way (a staged round), so a
+        trace begins it and undoes it (``reload_undone``)."""
         key = (tuple(names), tuple(dtypes), tuple(map(tuple, shapes)))
         if key in self._accepted:
             return None
         metas = [(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
-        reason = self._refusal(metas)
+        with reload_undone(self.model) if serving else contextlib.nullcontext():
+            reason = self._refusal(metas)
         if reason is None:
             self._accepted.add(key)
         return reason

@@ -54,6 +54,21 @@ class ReceiveStats:
     waiting_s: float
 
 
+class StagedTensors:
+    """Where a host that applies a staged round at finish (the vLLM plugin)
+    receives it: the round's ``(name, tensor)`` pairs as they arrived, views
+    of the receive buffers, which hold a whole round (each chunk its own,
+    kept until the next round is received)."""
+
+    copies_loaded_tensors = False
+
+    def __init__(self) -> None:
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+
+    def load_weights(self, weights: Any) -> None:
+        self.tensors.extend(weights)
+
+
 @dataclass(frozen=True)
 class _Staging:
     """A staged update receiving on a thread of its own, in its session's group."""
@@ -187,12 +202,13 @@ class TorchDistWeightTransferEngine(
             return
         super().update_weights(update_info)
 
-    def stage_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
-        """Accept a staged update, then receive it into the target on a thread."""
+    def stage_weights(self, update_info: TorchDistWeightTransferUpdateInfo, into: Any = None) -> None:
+        """Accept a staged update, then receive it on a thread into ``into``
+        (default: the target, which must not be the served model)."""
         if self._staging is not None:
             raise RuntimeError("a staged weight update is still receiving; finish it before the next one")
         self.accept_update(update_info)
-        model, group, info = self.model, self.group, self.init_info
+        model, group, info = self.model if into is None else into, self.group, self.init_info
         assert group is not None and info is not None
         receiving = in_daemon_thread(lambda: self._stream_into(model, group, info, update_info), "wt-staging")
         self._staging = _Staging(group, receiving)
