@@ -212,15 +212,9 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 self._staged = staged
                 return
             self._inline_session = True
-            try:
+            with self._restored_on_failure("round"):
                 self._begin_reload()
                 super().update_weights(update_info)
-            except Exception:
-                try:
-                    self._abandon_reload()
-                except Exception:  # noqa: BLE001 - report the error that ended the round
-                    logger.exception("restoring the previous weights after a failed round failed")
-                raise
             received = self.last_receive
             if received is None:
                 return
@@ -262,16 +256,10 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             """Load a staged round into the served model, as an update loads
             what it receives; a failure puts the previous weights back."""
             started = time.perf_counter()
-            try:
+            with self._restored_on_failure("commit"):
                 self._begin_reload()
                 with self._loading() as tracker:
                     tracker.load_weights(iter(staged.tensors))
-            except Exception:
-                try:
-                    self._abandon_reload()
-                except Exception:  # noqa: BLE001 - report the error that ended the round
-                    logger.exception("restoring the previous weights after a failed commit failed")
-                raise
             received = self.last_receive
             logger.info(
                 "wt_callbacks finish_weight_update: %d staged tensors, %.1f MB received in %.3f s while the "
@@ -279,6 +267,18 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 len(staged.tensors), (received.bytes if received else 0) / 1e6, received.seconds if received else 0.0,
                 time.perf_counter() - started, self._applied_s,
             )  # fmt: skip
+
+        @contextlib.contextmanager
+        def _restored_on_failure(self, what: str) -> Any:
+            """The previous weights put back if the body fails; the body's error is what the call raises."""
+            try:
+                yield
+            except Exception:
+                try:
+                    self._abandon_reload()
+                except Exception:  # noqa: BLE001 - report the error that ended the round
+                    logger.exception("restoring the previous weights after a failed %s failed", what)
+                raise
 
         @contextlib.contextmanager
         def _loading(self) -> Any:

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from tests.support.faults import FaultyClient
 from tests.support.transfer import InterruptingSource
-from tests.test_weight_sync import config, policy, served_info, tiny_lm
+from tests.test_weight_sync import config, policy, receiver, served_info, tiny_lm  # noqa: F401 - receiver: a fixture
 from wt_callbacks import async_send
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.demos import toy_task
@@ -50,13 +50,6 @@ def trained(model: torch.nn.Module, by: float = 0.5) -> None:
 def held_client(url: str) -> tuple[FaultyClient, threading.Event]:
     """A client whose call armed with ``hold_before`` waits for the event."""
     return FaultyClient(HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT_S)), threading.Event()
-
-
-@pytest.fixture
-def receiver():
-    with Receiver(tiny_lm(0)) as r:
-        r.start()
-        yield r
 
 
 def test_async_rounds_send_the_snapshot_step_while_training_runs_on(receiver):

@@ -37,11 +37,16 @@ from wt_callbacks.transfer.sources.snapshot import HostSnapshot, available_host_
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from wt_callbacks.sync import WeightSync
+    from wt_callbacks.rounds import RoundRunner
     from wt_callbacks.verify import Verifier
 
 logger = logging.getLogger(__name__)
 
+FIGURES = (
+    "version", "step", "seconds", "gather_seconds", "transfer_seconds", "bytes", "gbps", "pause_seconds",
+    "generation_paused_seconds", "snapshot_seconds", "latency_seconds",
+)  # fmt: skip
+"""The ``SyncResult`` fields a round's outcome carries from rank 0's thread to every rank."""
 BUSY = {"busy": True}
 """What rank 0 shares when the round due now is skipped (``async_overflow: skip``)."""
 
@@ -53,7 +58,7 @@ class BackgroundRound:
     the loop's stall, the snapshot's seconds), carried into the outcome.
     """
 
-    def __init__(self, ws: WeightSync, launch: dict[str, Any], started: float) -> None:
+    def __init__(self, ws: RoundRunner, launch: dict[str, Any], started: float) -> None:
         self.launch = launch
         self._ws = ws
         self._started = started
@@ -74,10 +79,7 @@ class BackgroundRound:
         ws.pausing.reset()
         start = time.perf_counter()
         try:
-            if ws.engine is None:
-                ws._connect()
-            if ws.config.commit != "staged":
-                ws._pause()
+            ws._begin()
             ws._send(self.launch["version"])
         except Exception as e:  # noqa: BLE001 - the outcome carries it to every rank
             ws._resume(quiet=True)
@@ -85,17 +87,11 @@ class BackgroundRound:
             # at once, a server still receiving fails now, not at its timeout.
             ws._drop_engine()
             return {**self.launch, "error": describe(e)}
-        stats = ws.engine.last_stats
-        seconds = time.perf_counter() - start
         return {
-            **self.launch,
+            **ws._round_figures(),
+            **self.launch,  # the gathers ran in the snapshot
             "error": None,
-            "seconds": seconds,
-            "transfer_seconds": stats.seconds,
-            "bytes": stats.bytes,
-            "gbps": stats.bytes / 1e9 / stats.seconds if stats.seconds > 0 else 0.0,
-            "pause_seconds": ws.pausing.call_seconds,
-            "generation_paused_seconds": ws.pausing.paused_seconds,
+            "seconds": time.perf_counter() - start,
             "latency_seconds": time.perf_counter() - self._started,
             "finished_at": time.time(),
         }
@@ -110,7 +106,7 @@ class AsyncSends:
     before they return, so the servers hold those weights when they do.
     """
 
-    def __init__(self, ws: WeightSync, module: torch.nn.Module) -> None:
+    def __init__(self, ws: RoundRunner, module: torch.nn.Module) -> None:
         assert ws.source is not None
         self.ws = ws
         config = WeightTransferTrainerFactory.engine_class(ws.config.backend).parse_config(ws.config.backend_config())
@@ -226,22 +222,11 @@ class AsyncSends:
             ws._fail(what, f"trainer rank 0: {outcome['error']}; detected at step {at_step}", None)
             ws.failures += 1
             return None
+        fields = {name: outcome[name] for name in FIGURES}
         result = SyncResult(
-            version=outcome["version"],
-            step=outcome["step"],
-            seconds=outcome["seconds"],
-            gather_seconds=outcome["gather_seconds"],
-            transfer_seconds=outcome["transfer_seconds"],
-            bytes=outcome["bytes"],
-            gbps=outcome["gbps"],
-            pause_seconds=outcome["pause_seconds"],
-            syncs_completed=ws.syncs_completed + 1,
-            verify_max_logprob_diff=verify_diff,
+            **fields, syncs_completed=ws.syncs_completed + 1, verify_max_logprob_diff=verify_diff,
             stall_seconds=outcome["stall_seconds"] if stall_seconds is None else stall_seconds,
-            generation_paused_seconds=outcome["generation_paused_seconds"],
-            snapshot_seconds=outcome["snapshot_seconds"],
-            latency_seconds=outcome["latency_seconds"],
-        )
+        )  # fmt: skip
         ws._acknowledged(result, at=outcome["finished_at"])
         return result
 

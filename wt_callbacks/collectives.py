@@ -18,6 +18,7 @@ import torch
 
 from wt_callbacks.transfer.base import WeightTransferError
 
+
 def trainer_ranks(framework_rank: int, framework_world_size: int) -> tuple[int, int]:
     """This process's trainer rank and the world size: torch.distributed's
     default group's when it is up, else what the framework reports.
@@ -96,7 +97,6 @@ class Collectives:
             return json.loads(buffer.cpu().numpy().tobytes().decode())
 
         return cls(broadcast=broadcast, any_flag=any_flag)
-
 
 
 def describe(exc: BaseException) -> str:

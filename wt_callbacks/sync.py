@@ -30,20 +30,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from wt_callbacks.async_send import AsyncSends
-from wt_callbacks.collectives import Agreement, Collectives, describe, trainer_ranks
+from wt_callbacks.collectives import Agreement, Collectives, trainer_ranks
 from wt_callbacks.config import SyncConfig
-from wt_callbacks.connection import RankZeroOnly, build_client
-from wt_callbacks.pausing import GenerationPause
+from wt_callbacks.connection import RankZeroOnly
 from wt_callbacks.results import SyncResult
-from wt_callbacks.transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource, WeightTransferError
-from wt_callbacks.transfer.factory import WeightTransferTrainerFactory
+from wt_callbacks.rounds import RoundRunner
+from wt_callbacks.transfer.base import VLLMWeightSyncClient
 from wt_callbacks.transfer.sources import ModuleSource
 from wt_callbacks.verify import Verifier
 
@@ -51,13 +49,11 @@ __all__ = ["Collectives", "SyncResult", "WeightSync", "trainer_ranks"]
 
 logger = logging.getLogger(__name__)
 
-UNREPORTED_KEPT = 64
-"""Results ``take_results`` hands out at most: older ones not taken are dropped."""
 STATE_KEYS = ("syncs_completed", "failures", "skipped", "last_synced_step", "last_sync_time", "epochs_completed")
 """What ``state_dict`` holds: the counters a checkpoint keeps."""
 
 
-class WeightSync:
+class WeightSync(RoundRunner):
     """Keeps inference servers on the trainer's weights; one instance per trainer rank.
 
     Args:
@@ -70,12 +66,9 @@ class WeightSync:
             framework adapter passes its framework's, so the line appears
             with the framework's own output.
 
-    A failed round never deadlocks the ranks: every phase ends with an
-    agreement, so all ranks take the same branch. With ``on_error="raise"``
-    every rank raises ``WeightTransferError`` naming the failure; with
-    ``"warn"`` every rank logs, drops the engine (its group is out of step)
-    and reconnects at the next due round. Under ``send: async`` a round's
-    outcome is agreed on where the ranks meet next (``async_send``).
+    How a round runs, agrees across ranks and fails is ``RoundRunner``'s
+    (``rounds``). Under ``send: async`` a round's outcome is agreed on where
+    the ranks meet next (``async_send``).
     """
 
     def __init__(
@@ -85,29 +78,11 @@ class WeightSync:
         client: VLLMWeightSyncClient | None = None,
         log: Callable[[str], None] = logger.info,
     ) -> None:
-        self.config = config
-        self._given_client = client
-        self._log = log
-        self.client: Any = None
-        self.source: ModuleSource | None = None
-        self.engine: TrainerWeightTransferEngine | None = None
-        self.rank = 0
-        self.world_size = 1
-        self.collectives: Collectives | None = None
-        self._agreement = Agreement()
-        self.last_result: SyncResult | None = None
-        self._unreported: deque[SyncResult] = deque(maxlen=UNREPORTED_KEPT)
-        self.syncs_completed = 0
-        self.failures = 0
-        self.skipped = 0
-        self.last_synced_step: int | None = None
-        self.last_sync_time: float | None = None
+        super().__init__(config, client=client, log=log)
         self.epochs_completed = 0
         self._last_attempt = time.monotonic()
         self._last_time_check_step: int | None = None
         self._last_attempted_step: int | None = None
-        self.pausing = GenerationPause(config)
-        """Rank 0's pause of the servers around a round, and its timing."""
         self._verifier: Verifier | None = None
         self._async: AsyncSends | None = None
 
@@ -140,6 +115,7 @@ class WeightSync:
         self._verifier = Verifier.for_config(cfg, self.source) if cfg.verify_every_n_syncs else None
         if cfg.send == "async":
             self._async = AsyncSends(self, module)
+            self.snapshot = self._async.snapshot
             self._async.check_memory()
         if self._given_client is not None:
             self.client = self._given_client
@@ -158,7 +134,7 @@ class WeightSync:
         round of a run that ended normally)."""
         if self._async is not None:
             self._async.close()
-            self._async = None
+            self._async = self.snapshot = None
         self._drop_engine()
         close = getattr(self.client, "close", None)
         if self.client is not self._given_client and callable(close):
@@ -265,90 +241,7 @@ class WeightSync:
         verifier = self._verifier_for(verify)
         if self._async is not None:
             return self._async.round(step, version, await_round=await_round, verifier=verifier)
-        start = time.perf_counter()
-        staged = self.config.commit == "staged"
-
-        def begin() -> None:
-            if self.engine is None:
-                self._connect()
-            if not staged:
-                self._pause()
-
-        def send() -> None:
-            self._send(version)
-
-        verify_diff: float | None = None
-
-        def check() -> None:
-            nonlocal verify_diff
-            assert verifier is not None
-            verify_diff = verifier.check(self.rank, self.world_size, self.collectives)
-
-        what = f"round for step {step} (version {version!r})"
-        self.pausing.reset()
-        try:
-            ok = self._phase(begin, what) and self._phase(send, what)
-            ok = ok and (verifier is None or self._phase(check, f"verification of {what}"))
-        finally:
-            # A no-op unless the round failed before send() resumed: the
-            # servers are never left paused, whatever happened.
-            self._resume(quiet=True)
-        if not ok:
-            self.failures += 1
-            return None
-        seconds = time.perf_counter() - start
-        stats = self.engine.last_stats
-        result = SyncResult(
-            version=version,
-            step=step,
-            seconds=seconds,
-            gather_seconds=stats.gather_seconds,
-            transfer_seconds=max(stats.seconds - stats.gather_seconds, 0.0),
-            bytes=stats.bytes,
-            gbps=stats.bytes / 1e9 / stats.seconds if stats.seconds > 0 else 0.0,
-            pause_seconds=self.pausing.call_seconds,
-            syncs_completed=self.syncs_completed + 1,
-            verify_max_logprob_diff=verify_diff,
-            stall_seconds=seconds,
-            generation_paused_seconds=self.pausing.paused_seconds,
-        )
-        self._acknowledged(result)
-        return result
-
-    def _acknowledged(self, result: SyncResult, *, at: float | None = None) -> None:
-        """Count a round the servers acknowledged (``at``: when, ``time.time()``), on every rank alike."""
-        self.syncs_completed = result.syncs_completed
-        self.last_synced_step = result.step
-        self.last_sync_time = time.time() if at is None else at
-        self.last_result = result
-        self._unreported.append(result)
-        if self.rank == 0:
-            self._log(result.summary())
-
-    def take_results(self) -> list[SyncResult]:
-        """The rounds acknowledged since the last call, oldest first (on every
-        rank): what a framework adapter logs, one row each. Under ``send:
-        async`` a round is acknowledged where it is collected, so a call can
-        return two (the final sync collects the round in flight first)."""
-        results = list(self._unreported)
-        self._unreported.clear()
-        return results
-
-    def _send(self, version: str) -> None:
-        """Every rank: the engine's round, then (rank 0) generation resumed.
-        Under ``commit: staged`` generation is paused only once the servers
-        staged the whole round, right before its commit."""
-        assert self.engine is not None
-        if self.config.commit == "staged" and self.rank == 0:
-            self.engine.send_weights(version, commit_gate=self._pause)
-        else:
-            self.engine.send_weights(version)
-        self._resume()  # before the agreement: generation restarts while the ranks agree
-
-    def _pause(self) -> None:
-        """Rank 0: pause generation on every server, if configured."""
-        if self.rank == 0:
-            self.pausing.pause(self.client)
+        return self._blocking_round(step, version, verifier)
 
     def _verifier_for(self, asked: bool) -> Verifier | None:
         """The verifier if this round is checked: asked for, or every
@@ -360,64 +253,6 @@ class WeightSync:
             assert self.source is not None
             self._verifier = Verifier.for_config(self.config, self.source)
         return self._verifier
-
-    def _resume(self, *, quiet: bool = False) -> None:
-        self.pausing.resume(self.client, quiet=quiet)
-
-    def _connect(self) -> None:
-        assert self.source is not None
-        cfg = self.config
-        if self._async is not None and self.rank != 0:
-            return  # only rank 0 sends, from its snapshot: the other ranks need no engine
-        if self.client is None:
-            self.client = build_client(cfg)
-        source: WeightSource = self.source if self._async is None else self._async.snapshot
-        self.engine = WeightTransferTrainerFactory.trainer_init(
-            cfg.backend,
-            cfg.backend_config(),
-            cfg.init_info_for(self.rank),
-            client=self.client,
-            source=source,
-        )
-
-    # -- agreement and failure ----------------------------------------------
-
-    def _phase(self, fn: Callable[[], None], what: str) -> bool:
-        """Run ``fn`` on this rank, agree across ranks, apply ``on_error`` to a
-        failure anywhere; ``True`` if every rank succeeded."""
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - every failure must reach the agreement
-            # Handled inside the except block so the exception is never stored
-            # in a local: that would form a cycle (exception -> traceback ->
-            # frame -> local) keeping the failed engine's sockets, and a fixed
-            # master_port, busy until the garbage collector runs.
-            self._fail(what, self._agreement.agree(describe(e)), e)
-            return False
-        error = self._agreement.agree(None)
-        if error is not None:
-            self._fail(what, error, None)
-            return False
-        return True
-
-    def _fail(self, what: str, error: str | None, exc: Exception | None = None) -> None:
-        """Apply ``on_error`` to a failed round (``error``: where and why), on every rank alike."""
-        self._drop_engine()
-        message = f"weight sync {what} failed on {error}"
-        if self.config.on_error == "raise":
-            raise WeightTransferError(
-                f"{message}. Set on_error: warn to keep training through server outages"
-            ) from exc
-        logger.warning("%s; training continues, reconnecting at the next due round", message)
-
-    def _drop_engine(self) -> None:
-        if self.engine is None:
-            return
-        try:
-            self.engine.shutdown()
-        except Exception:  # noqa: BLE001 - a broken group must not block the reconnect
-            logger.warning("weight sync engine shutdown failed", exc_info=True)
-        self.engine = None
 
     # -- gauges --------------------------------------------------------------
 
