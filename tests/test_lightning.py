@@ -206,10 +206,12 @@ def _torchrun(tmp_path, weight_sync: dict, strategy: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "model_parallel"])
-def test_two_process_strategies(receiver_proc, tmp_path, strategy):
+@pytest.mark.parametrize(("strategy", "send"), [("ddp", "blocking"), ("model_parallel", "blocking"), ("model_parallel", "async")])
+def test_two_process_strategies(receiver_proc, tmp_path, strategy, send):
+    """Under ``send: async`` (FSDP2) both ranks gather into rank 0's snapshot
+    at each due step, and the end of training collects the last round."""
     receiver = receiver_proc()
-    result = _torchrun(tmp_path, section(receiver.url, every_n_train_steps=3, dtype="bfloat16"), strategy)
+    result = _torchrun(tmp_path, section(receiver.url, every_n_train_steps=3, dtype="bfloat16", send=send), strategy)
     info = served(receiver.url)
     assert info["version_history"] == ["step-0", "step-3", "step-6"]
     # bf16 on the wire: the fp32 receiver holds the trainer's weights rounded through bf16.
