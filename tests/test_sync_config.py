@@ -167,6 +167,7 @@ def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
         ({"commit": "staged", "backend": "ipc"}, r"commit: staged needs backend: torch_dist, not 'ipc': .*; set commit: inline"),
         ({"send": "async", "config": {"transport": "nccl"}}, r"send: async cannot use config.transport: nccl: a NCCL broadcast on a background thread"),
         ({"send": "async", "verify_every_n_syncs": 5}, r"verify_every_n_syncs: under send: async .* call sync_now\(verify=True\)"),
+        ({"async_overflow": "skip"}, r"async_overflow: skip applies to send: async, and send is 'blocking'; set send: async"),
     ],
 )
 def test_validation_messages_name_the_key(bad, match):

@@ -239,6 +239,11 @@ class SyncConfig:
             if value != default and self.backend not in BACKGROUND_BACKENDS:
                 raise ValueError(f"{key}: {value} needs backend: torch_dist, not {self.backend!r}: {why[key]}; set {key}: {default}")
         if self.send != "async":
+            if self.async_overflow != "wait":
+                raise ValueError(
+                    f"async_overflow: {self.async_overflow} applies to send: async, and send is {self.send!r}; "
+                    "set send: async or remove async_overflow"
+                )
             return
         if self.backend_config().get("transport") == "nccl":
             raise ValueError(
