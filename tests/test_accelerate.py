@@ -208,3 +208,23 @@ def test_two_sharded_processes(receiver_proc, tmp_path, capsys, no_ring_left_beh
     assert max(peaks) <= bound
     if run.startswith("zero"):
         assert shm_files() == shm_before  # DeepSpeed's shm op was never built nor mapped
+
+
+@pytest.mark.slow
+def test_send_async_from_two_zero3_processes(receiver_proc, tmp_path, no_ring_left_behind):
+    """``send: async`` under DeepSpeed ZeRO-3 through the hook: the gathers run
+    on both ranks into rank 0's snapshot, rank 0's thread sends it, and the
+    end of training collects the last round. (FSDP2 ranks: tests/test_async_send.py.)"""
+    pytest.importorskip("deepspeed")
+    receiver = receiver_proc("wt_callbacks.demos.models:wide_mlp")
+    result = launch(
+        tmp_path, "--server", receiver.url, "--steps", "9", "--grad-accum", "2", "--every", "3", "--mode", "optimizer",
+        "--model", "wide_mlp", "--dtype", "bfloat16", "--bucket", str(BUCKET), "--send", "async",
+        processes=2, launcher=deepspeed_launcher(tmp_path, 3), env={"DS_ACCELERATOR": "cpu"},
+    )  # fmt: skip
+    assert result["scheme"] == "zero3"
+    info = served(receiver.url)
+    assert info["version_history"] == ["step-0", "step-3", "step-6", "step-9"]
+    assert info["checksums"] == result["checksums"]
+    assert result["state"]["syncs_completed"] == 4 and result["state"]["last_synced_step"] == 9
+

@@ -39,14 +39,15 @@ def test_accelerate_loop_two_processes_with_the_example_config():
     assert "receiver checksums equal the trainer's weights: True" in out
 
 
-def test_online_rl_smoke(tmp_path):
+@pytest.mark.parametrize("send", ["blocking", "async"])
+def test_online_rl_smoke(tmp_path, send):
     plot = tmp_path / "online_rl.png"
     out = run_example(
         "examples/online_rl.py", "--steps", "6", "--sync-every", "2", "--prompts", "2", "--group", "4",
-        "--plot", str(plot),
+        "--send", send, "--plot", str(plot),
     )  # fmt: skip
     # A reward line per sync after the cold one; every rollout came from synced weights.
     lines = [line for line in out.splitlines() if line.startswith("sync ")]
     assert [line.split(":")[0].split()[-1] for line in lines] == ["step-2", "step-4", "step-6"], out[-3000:]
     assert all("rollouts from the weights of steps" in line for line in lines)
-    assert "reward:" in out and plot.stat().st_size > 0
+    assert "reward:" in out and f"with send: {send}" in out and plot.stat().st_size > 0

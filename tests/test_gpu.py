@@ -72,6 +72,36 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_send_async_snapshots_cuda_parameters_into_pinned_host_memory(receiver_proc, dtype):
+    """``send: async`` from a CUDA model: the snapshot is page-locked host
+    memory, ``auto`` sends it over the shm ring (never NCCL), and the receiver
+    gets the snapshot step's weights while the model moved on."""
+    from wt_callbacks.config import SyncConfig
+    from wt_callbacks.sync import WeightSync
+
+    trainer = models.mixed_model(seed=0).cuda()
+    receiver = receiver_proc("wt_callbacks.demos.models:mixed_model")
+    ws = WeightSync(SyncConfig(servers=[receiver.url], send="async", dtype=dtype, timeout_s=TIMEOUT_S))
+    ws.setup(trainer)
+    try:
+        assert ws.sync_at_fit_start(0) is not None
+        assert ws._async.snapshot._buffer.is_pinned() and ws.engine.group.transport == "shm"
+        via = getattr(torch, dtype) if dtype else None
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(1.0)
+        ws.maybe_sync(1)
+        sent = module_checksums(trainer, via_dtype=via)
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(1.0)
+        assert ws.sync_at_train_end(1) is not None
+        assert receiver_checksums(receiver.url) == sent
+    finally:
+        ws.close()
+
+
 @pytest.mark.parametrize("transport", ["gloo", "shm"])
 def test_cuda_parameters_into_the_receiver(receiver_proc, transport):
     trainer = models.mixed_model(seed=0).cuda()

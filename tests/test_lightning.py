@@ -85,21 +85,24 @@ def test_train_time_interval(receiver_proc):
     assert all(b - a >= 2 for a, b in zip([0, *timed], timed))
 
 
-@pytest.mark.parametrize("strategy", ["auto", "model_parallel"])
-def test_resume_cold_syncs_then_cadence_continues(receiver_proc, tmp_path, strategy, request):
+@pytest.mark.parametrize(("strategy", "send"), [("auto", "blocking"), ("model_parallel", "blocking"), ("auto", "async")])
+def test_resume_cold_syncs_then_cadence_continues(receiver_proc, tmp_path, strategy, send, request):
     """The restarted job's server is on a new port (as after most restarts):
     the resume state still applies, since it is keyed on what is synced.
     ModelParallelStrategy (as FSDP and DeepSpeed) restores the callbacks after
-    on_fit_start, once the driver exists."""
+    on_fit_start, once the driver exists. Under ``send: async`` each checkpoint
+    is taken while the round of its step is in flight (ModelCheckpoint runs
+    after the callback launched it): it records that step once acknowledged."""
     if strategy == "model_parallel":
         # One device, in this process: the default group it starts would stay
         # up for the next test file this pytest worker runs.
         request.addfinalizer(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
     receiver, restarted = receiver_proc(), receiver_proc()
-    first = run(section(receiver.url, every_n_train_steps=3), strategy=strategy, max_steps=6, ckpt_dir=str(tmp_path))
+    keys = {"every_n_train_steps": 3, "send": send}
+    first = run(section(receiver.url, **keys), strategy=strategy, max_steps=6, ckpt_dir=str(tmp_path))
     assert first["state"]["last_synced_step"] == 6
     ckpt = next(p for p in tmp_path.iterdir() if "step=6" in p.name)
-    second = run(section(restarted.url, every_n_train_steps=3), strategy=strategy, max_steps=9, resume_from=str(ckpt))
+    second = run(section(restarted.url, **keys), strategy=strategy, max_steps=9, resume_from=str(ckpt))
     assert served(receiver.url)["version_history"] == ["step-0", "step-3", "step-6"]
     info = served(restarted.url)
     # A cold sync after the resume (the server may hold anything), then on cadence.
@@ -203,10 +206,12 @@ def _torchrun(tmp_path, weight_sync: dict, strategy: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "model_parallel"])
-def test_two_process_strategies(receiver_proc, tmp_path, strategy):
+@pytest.mark.parametrize(("strategy", "send"), [("ddp", "blocking"), ("model_parallel", "blocking"), ("model_parallel", "async")])
+def test_two_process_strategies(receiver_proc, tmp_path, strategy, send):
+    """Under ``send: async`` (FSDP2) both ranks gather into rank 0's snapshot
+    at each due step, and the end of training collects the last round."""
     receiver = receiver_proc()
-    result = _torchrun(tmp_path, section(receiver.url, every_n_train_steps=3, dtype="bfloat16"), strategy)
+    result = _torchrun(tmp_path, section(receiver.url, every_n_train_steps=3, dtype="bfloat16", send=send), strategy)
     info = served(receiver.url)
     assert info["version_history"] == ["step-0", "step-3", "step-6"]
     # bf16 on the wire: the fp32 receiver holds the trainer's weights rounded through bf16.

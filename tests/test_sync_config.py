@@ -87,7 +87,7 @@ def test_container_without_section_takes_overrides_only():
     assert config.backend == "torch_dist"
     # Keys of the section beside other keys: refused, not guessed either way
     # (a training config holding a dtype, or a section with a stray key).
-    for mixed in ({"lr": 1e-3, "dtype": "bfloat16"}, {"every_n_train_steps": 50, "module": "model", "comment": "x"}):
+    for mixed in ({"lr": 1e-3, "dtype": "bfloat16"}, {"every_n_train_steps": 50, "module": "model", "notes": "x"}):
         with pytest.raises(ValueError, match=r"^weight_sync: these hyperparameters have no 'weight_sync' key, and they mix"):
             SyncConfig.from_hparams(mixed, servers=[URL])
     # The section itself with a typo is still read as the section, to say so.
@@ -104,7 +104,7 @@ def test_defaults():
     assert config.timeout_s == 300
     assert config.on_error == "raise"
     assert config.backend_config()["dtype"] is None
-    assert config.init_info_for(rank=1) == {"master_address": "127.0.0.1", "master_port": 0, "rank": 1}
+    assert config.init_info_for(rank=1) == {"rank": 1}
     assert SyncConfig(servers=[URL], pause="none").pause_mode is None
 
 
@@ -160,6 +160,14 @@ def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
         ({"init_info": {"master_prot": 1}}, r"init_info for TorchDist\w+: unknown key 'master_prot'; did you mean 'master_port'\?"),
         ({"init_info": {"master_port": 70000}}, r"init_info for TorchDist\w+: master_port must be in 0\.\.65535, got 70000"),
         ({"init_info": {"rank": 1}}, r"init_info: remove 'rank'; each trainer process sets its own rank"),
+        ({"send": "asynch"}, r"send='asynch' is not one of \('blocking', 'async'\); did you mean 'async'\?"),
+        ({"commit": "stage"}, r"commit='stage' is not one of \('inline', 'staged'\); did you mean 'staged'\?"),
+        ({"async_overflow": "drop"}, r"async_overflow='drop' is not one of \('wait', 'skip'\)"),
+        ({"send": "async", "backend": "nccl"}, r"send: async needs backend: torch_dist, not 'nccl': vLLM's own nccl/ipc transfer runs a NCCL communicator, which must not run beside the training's own collectives; set send: blocking"),
+        ({"commit": "staged", "backend": "ipc"}, r"commit: staged needs backend: torch_dist, not 'ipc': .*; set commit: inline"),
+        ({"send": "async", "config": {"transport": "nccl"}}, r"send: async cannot use config.transport: nccl: a NCCL broadcast on a background thread"),
+        ({"send": "async", "verify_every_n_syncs": 5}, r"verify_every_n_syncs: under send: async .* call sync_now\(verify=True\)"),
+        ({"async_overflow": "skip"}, r"async_overflow: skip applies to send: async, and send is 'blocking'; set send: async"),
     ],
 )
 def test_validation_messages_name_the_key(bad, match):

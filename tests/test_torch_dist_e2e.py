@@ -204,11 +204,12 @@ def test_both_ends_exit_cleanly_right_after_a_gloo_session(receiver_proc):
     assert receiver.proc.returncode == 0, receiver.log[-3000:]
 
 
-def test_wrong_world_size_fails_within_timeout(receiver_proc):
+def test_wrong_world_size_fails_at_connect_naming_the_servers_workers(receiver_proc):
+    """Before any server is called, not at the rendezvous's timeout."""
     receiver = receiver_proc()
     client = HTTPVLLMWeightSyncClient(receiver.url, timeout=TIMEOUT_S)
     start = time.monotonic()
-    with pytest.raises(WeightTransferError, match="world_size=3"):
+    with pytest.raises(ValueError, match=rf"world_size=3 does not match the servers' workers \({receiver.url} has 1 worker\).* must be 2"):
         WeightTransferTrainerFactory.trainer_init(
             "torch_dist",
             {"timeout_s": 3},

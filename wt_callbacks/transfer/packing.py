@@ -88,7 +88,7 @@ def _wire_of(tensor: torch.Tensor, dtypes: Sequence[torch.dtype] | None, index: 
     return tensor.dtype if dtypes is None else dtypes[index]
 
 
-def _copy_into(dst: torch.Tensor, tensor: torch.Tensor, wire: torch.dtype) -> None:
+def copy_as_wire(dst: torch.Tensor, tensor: torch.Tensor, wire: torch.dtype) -> None:
     """Copy ``tensor`` into the uint8 slice ``dst`` as ``wire`` bytes, converting
     in the same pass. A slice not aligned to ``wire`` (after a tensor of an odd
     byte size) cannot be viewed as it: such a tensor is converted first."""
@@ -180,7 +180,7 @@ def broadcast_packed(
             grown[:fill].copy_(buf[:fill])
             buf = cache[slot] = grown
         if n:
-            _copy_into(buf[fill : fill + n], tensor, wire)
+            copy_as_wire(buf[fill : fill + n], tensor, wire)
         fill += n
         del tensor
         if fill > buffer_size_bytes:

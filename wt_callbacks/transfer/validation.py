@@ -3,18 +3,20 @@
 The trainer's ``SyncConfig``, the backends' configs and init dicts, and the
 HTTP client all accept some of the same kinds of value; checking each kind
 here keeps the rule and the message that names the key to fix the same
-wherever the value is given.
+wherever the value is given. ``checked_stream`` holds a weight source's
+tensors to its metadata, for the engines and the host snapshot that read it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from wt_callbacks.transfer.dtypes import dtype_from_name
+from wt_callbacks.transfer.dtypes import dtype_from_name, dtype_name
+from wt_callbacks.transfer.weight_source import ParamMeta
 
 
 MAX_SECONDS = 1e9
@@ -73,3 +75,34 @@ def check_server_urls(key: str, urls: Sequence[Any]) -> None:
     bases = [url.rstrip("/") for url in urls]
     if len(set(bases)) != len(bases):
         raise ValueError(f"{key}: the same server is listed twice: {list(urls)}")
+
+
+def checked_stream(items: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> Iterator[torch.Tensor]:
+    """Yield tensors, raising on the first disagreement with ``metadata()``.
+
+    The receivers sized their buffers and chunk cuts from the metadata; a
+    tensor that differs would corrupt every tensor after it. A floating-point
+    tensor may come in another floating-point dtype than its metadata's
+    (``WeightSource.iter_uncast``): the sending converts it.
+    """
+    i = -1
+    for i, (name, tensor) in enumerate(items):
+        if i >= len(metas):
+            raise ValueError(
+                f"the weight source yielded more tensors than metadata() lists ({len(metas)}); "
+                f"first extra: {name!r}"
+            )
+        m = metas[i]
+        dtype_ok = tensor.dtype == m.dtype or (tensor.is_floating_point() and m.dtype.is_floating_point)
+        if name != m.name or not dtype_ok or tuple(tensor.shape) != m.shape:
+            raise ValueError(
+                f"the weight source disagrees with its metadata() at index {i}: metadata says "
+                f"{m.name!r} {dtype_name(m.dtype)} {list(m.shape)}, iteration yielded "
+                f"{name!r} {dtype_name(tensor.dtype)} {list(tensor.shape)}"
+            )
+        yield tensor
+    if i + 1 != len(metas):
+        raise ValueError(
+            f"the weight source yielded {i + 1} tensors but metadata() lists {len(metas)}; "
+            f"first missing: {metas[i + 1].name!r}"
+        )

@@ -8,6 +8,7 @@ agree on everything, so both live in this package, one concern per module:
 
 * ``wire``: the typed configs and the dicts exchanged (vLLM's dense ``nccl`` ones).
 * ``group``: the rendezvous store and the ``TransferGroup``.
+* ``addresses``: the address the trainer advertises (where the servers run).
 * ``shm_ring``: the ``shm`` transport, a ring in ``/dev/shm`` on one host;
   ``shm_files`` (its file), ``shm_negotiation`` (whether a group uses it),
   ``trainer_process`` (a worker's check that the trainer still runs).

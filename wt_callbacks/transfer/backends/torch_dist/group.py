@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import ipaddress
 import logging
 import socket
 import threading
@@ -21,11 +20,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from wt_callbacks.transfer.backends.torch_dist.addresses import local_address_towards
 from wt_callbacks.transfer.backends.torch_dist.session import check_peers, store_prefix
 from wt_callbacks.transfer.backends.torch_dist.shm_negotiation import join_ring, offer_ring
 from wt_callbacks.transfer.backends.torch_dist.shm_ring import ShmRing
@@ -37,22 +38,6 @@ logger = logging.getLogger(__name__)
 _TRAINER_LEFT_KEY = "trainer_left"
 WAIT_SLICE = datetime.timedelta(milliseconds=100)
 """How often a worker waiting for a gloo broadcast asks whether the trainer left."""
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def _local_address_towards(host: str) -> str:
-    """The local IP the OS would use to reach ``host`` (gloo binds to it)."""
-    if is_loopback(host):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # UDP connect sends nothing; it only picks a route
-        return s.getsockname()[0]
 
 
 def open_store(
@@ -156,7 +141,7 @@ class TransferGroup:
             else:
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = timeout
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address_towards(master_address))]
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
 
                 def gloo() -> Any:
                     return dist.ProcessGroupGloo(prefix, rank, world_size, opts)
@@ -261,6 +246,19 @@ class TransferGroup:
         self._left_asked = in_daemon_thread(lambda: store.check([_TRAINER_LEFT_KEY]), "wt-trainer-left")
         return False
 
+    def trainer_still_there(self, *, within_s: float) -> bool:
+        """A worker's check before it commits a staged round: the trainer has
+        not left the group (``destroy``), asked of its store now. No answer
+        within ``within_s``, or none at all (the store went away with the
+        trainer), counts as gone: a round is committed only on a yes."""
+        store = self.store
+        if store is None:
+            return False
+        try:
+            return not trainer_store_call(lambda: store.check([_TRAINER_LEFT_KEY]), "the trainer's store", timeout_s=within_s)
+        except Exception:  # noqa: BLE001 - whatever went wrong, no yes
+            return False
+
     def destroy(self) -> None:
         if self.rank == 0 and self.store is not None:
             try:
@@ -286,17 +284,32 @@ class TransferGroup:
             if works:
                 release = threading.Thread(target=_release, args=(pg, works), name="wt-release-group", daemon=True)
                 release.start()
-                with _RELEASING_LOCK:
-                    # A thread frees the group when its run() returns, after
-                    # _release: it stays listed until then, and is joined.
-                    _RELEASING[:] = [(t, d) for t, d in _RELEASING if t.is_alive()]
-                    _RELEASING.append((release, time.monotonic() + self.timeout_s + _RELEASE_SLACK_S))
+                # A thread frees the group when its run() returns, after
+                # _release: until then it is alive, and waited for.
+                wait_at_exit(release, self.timeout_s + _RELEASE_SLACK_S)
 
 
-_RELEASING: list[tuple[threading.Thread, float]] = []
-"""Threads freeing a group, with the time by which their operations end."""
-_RELEASING_LOCK = threading.Lock()
+_AT_EXIT: list[tuple[threading.Thread | Future, float]] = []
+"""Threads (or futures of threads) in torch.distributed's C++ code, with the time by which they end."""
+_AT_EXIT_LOCK = threading.Lock()
 _RELEASE_SLACK_S = 5.0
+
+
+def _running(task: threading.Thread | Future) -> bool:
+    return not task.done() if isinstance(task, Future) else task.is_alive()
+
+
+def wait_at_exit(task: threading.Thread | Future, within_s: float) -> None:
+    """Make the interpreter's exit wait, at most ``within_s`` from now, for
+    ``task``: a daemon thread that may still be in torch.distributed's C++
+    code (a group being freed, a join given up on). A daemon thread still
+    there when the interpreter finalizes is ended by unwinding its stack
+    through C++ frames that do not allow it: the process aborts in
+    std::terminate ("terminate called without an active exception", exit
+    134) instead of exiting with its own status, a Python error's 1 included."""
+    with _AT_EXIT_LOCK:
+        _AT_EXIT[:] = [(t, d) for t, d in _AT_EXIT if _running(t)]
+        _AT_EXIT.append((task, time.monotonic() + within_s))
 
 
 def _release(pg: Any, works: list[Any]) -> None:
@@ -309,8 +322,12 @@ def _release(pg: Any, works: list[Any]) -> None:
 
 
 @atexit.register
-def _wait_for_releases() -> None:
-    with _RELEASING_LOCK:
-        releasing = list(_RELEASING)
-    for thread, deadline in releasing:
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+def _wait_at_exit() -> None:
+    with _AT_EXIT_LOCK:
+        pending = list(_AT_EXIT)
+    for task, deadline in pending:
+        left = max(0.0, deadline - time.monotonic())
+        if isinstance(task, Future):
+            futures_wait([task], timeout=left)
+        else:
+            task.join(timeout=left)

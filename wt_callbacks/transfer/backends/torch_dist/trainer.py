@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Generic, TypeVar
 
 import torch
 
-from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, is_loopback, open_store
+from wt_callbacks.transfer.backends.torch_dist.addresses import advertised_address, is_loopback
+from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, open_store, wait_at_exit
 from wt_callbacks.transfer.backends.torch_dist.session import new_session_id, session_proof
 from wt_callbacks.transfer.backends.torch_dist.waits import raise_if_failed, wait_for_work
 from wt_callbacks.transfer.backends.torch_dist.wire import (
@@ -34,13 +36,14 @@ from wt_callbacks.transfer.base import (
     check_full_tensors,
     check_sender_owns_all,
     drain,
-    dtype_name,
     finish_with_version,
     in_daemon_thread,
     source_metadata,
 )
 from wt_callbacks.transfer.clients import group_world_size
 from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, slot_capacities
+from wt_callbacks.transfer.sources.snapshot import HostSnapshot
+from wt_callbacks.transfer.validation import checked_stream
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,37 +74,6 @@ class _TimedIterator(Generic[T]):
 
 
 
-def _checked(items: Iterator[tuple[str, torch.Tensor]], metas: list[ParamMeta]) -> Iterator[torch.Tensor]:
-    """Yield tensors, raising on the first disagreement with ``metadata()``.
-
-    The receivers sized their buffers and chunk cuts from the metadata; a
-    tensor that differs would corrupt every tensor after it. A floating-point
-    tensor may come in another floating-point dtype than its metadata's
-    (``WeightSource.iter_uncast``): the sending converts it.
-    """
-    i = -1
-    for i, (name, tensor) in enumerate(items):
-        if i >= len(metas):
-            raise ValueError(
-                f"the weight source yielded more tensors than metadata() lists ({len(metas)}); "
-                f"first extra: {name!r}"
-            )
-        m = metas[i]
-        dtype_ok = tensor.dtype == m.dtype or (tensor.is_floating_point() and m.dtype.is_floating_point)
-        if name != m.name or not dtype_ok or tuple(tensor.shape) != m.shape:
-            raise ValueError(
-                f"the weight source disagrees with its metadata() at index {i}: metadata says "
-                f"{m.name!r} {dtype_name(m.dtype)} {list(m.shape)}, iteration yielded "
-                f"{name!r} {dtype_name(tensor.dtype)} {list(tensor.shape)}"
-            )
-        yield tensor
-    if i + 1 != len(metas):
-        raise ValueError(
-            f"the weight source yielded {i + 1} tensors but metadata() lists {len(metas)}; "
-            f"first missing: {metas[i + 1].name!r}"
-        )
-
-
 class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDistTrainerInitInfo]):
     """Trainer engine of ``torch_dist``; see the package docstring.
 
@@ -112,6 +84,11 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
     and build a new one. Before raising, the sender finishes iterating the
     source so the other trainer ranks' gathers complete: a dead server never
     deadlocks the trainer.
+
+    A ``HostSnapshot`` source (``send: async``) was gathered when it was
+    taken: the sender broadcasts its packed chunks as they lie in it, and
+    ``transport="auto"`` never picks NCCL for it (its bytes are in host
+    memory, and a NCCL communicator must not run beside the training's own).
     """
 
     init_info_cls = TorchDistTrainerInitInfo
@@ -170,25 +147,43 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
             )
         if self.config.transport != "auto":
             return self.config.transport
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and not isinstance(self.source, HostSnapshot):
             return "nccl"
-        # A worker can reach a loopback master only from this host, so the
-        # ring is worth offering; the negotiation still checks each worker
-        # shares this /dev/shm (a container may not).
+        # A loopback master means every server runs on this host (loopback
+        # towards another host is refused: ``addresses``), so the ring is
+        # worth offering; the negotiation still checks each worker shares
+        # this /dev/shm (a container may not). A trainer on another host
+        # than a server never offers it.
         return "shm" if is_loopback(master_address) else "gloo"
 
+    def _master_address(self, given: str | None) -> str:
+        """The address the workers reach this trainer at: ``given``, or the
+        one this host reaches the servers from (``addresses``), asked from
+        the client's ``server_hosts()`` where it has one."""
+        server_hosts = getattr(self.client, "server_hosts", None)
+        hosts = None
+        if callable(server_hosts):
+            hosts = bounded(server_hosts, "server_hosts", within_s=self.config.timeout_s)
+        address = advertised_address(hosts, given)
+        if given is None and not is_loopback(address):
+            logger.info(
+                "torch_dist: advertising %s, this host's address towards the servers on %s", address, ", ".join(hosts or ())
+            )
+        return address
+
     def _rendezvous(self, init_info: TorchDistTrainerInitInfo) -> None:
-        transport = self._transport(init_info.master_address)
         timeout_s = self.config.timeout_s
-        world_size = init_info.world_size
-        if world_size is None:
-            world_size = bounded(lambda: group_world_size(self.client), "get_world_size", within_s=timeout_s)
+        master_address = self._master_address(init_info.master_address)
+        transport = self._transport(master_address)
+        world_size = bounded(
+            lambda: group_world_size(self.client, init_info.world_size), "get_world_size", within_s=timeout_s
+        )
         device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
-        master = open_store(init_info.master_address, init_info.master_port, world_size, is_master=True, timeout_s=timeout_s)
+        master = open_store(master_address, init_info.master_port, world_size, is_master=True, timeout_s=timeout_s)
         port = master.port
         session_id = new_session_id()
         self.worker_init_info = {
-            "master_address": init_info.master_address,
+            "master_address": master_address,
             "master_port": port,
             "rank_offset": 1,
             "world_size": world_size,
@@ -205,7 +200,7 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         # this proof of it (``session``).
         api_key = getattr(self.client, "api_key", None)
         if api_key:
-            self.worker_init_info["session_proof"] = session_proof(api_key, session_id, init_info.master_address, port)
+            self.worker_init_info["session_proof"] = session_proof(api_key, session_id, master_address, port)
         payload = dict(self.worker_init_info)
         server_call = in_daemon_thread(lambda: self.client.init_weight_transfer_engine(payload), "wt-init")
         # The group joins through a client of the store, not the store server
@@ -214,8 +209,8 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         # holds the port, and a process exiting meanwhile aborts in it).
         joined = in_daemon_thread(
             lambda: TransferGroup.connect(
-                open_store(init_info.master_address, port, world_size, is_master=False, timeout_s=timeout_s),
-                master_address=init_info.master_address,
+                open_store(master_address, port, world_size, is_master=False, timeout_s=timeout_s),
+                master_address=master_address,
                 rank=0,
                 world_size=world_size,
                 timeout_s=timeout_s,
@@ -243,17 +238,33 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
             # A group the join still forms after we gave up has no owner: it
             # would keep its ring and heartbeat alive for good.
             joined.add_done_callback(lambda f: f.exception() is None and f.result().destroy())
+            # Closing the store ends a join still waiting for it at once; the
+            # join's thread is then on its way out of gloo's C++ code, and a
+            # process that exits now (this error, uncaught) waits for it.
             del master
+            wait_at_exit(joined, 2 * timeout_s + 5)
             raise
         self.group = joined.result()
         self.group.keep_store_server(master)
         self.session_id = session_id
         logger.info(
             "torch_dist: %s group of %d ranks formed on %s:%d",
-            self.group.transport, world_size, init_info.master_address, port,
+            self.group.transport, world_size, master_address, port,
         )
 
-    def send_weights(self, weight_version: str | None = None) -> None:
+    def send_weights(
+        self, weight_version: str | None = None, *, commit_gate: Callable[[], None] | None = None
+    ) -> None:
+        """One round (see the class docstring); every rank calls it.
+
+        ``commit_gate`` stages the round (``commit: staged``): the servers
+        receive it into staging while they keep generating, and apply it only
+        at ``finish_weight_update``; ``commit_gate()`` runs on the sender once
+        every byte was sent and the servers accepted the update, right before
+        that finish (the driver pauses generation there). If the gate or
+        anything before the finish fails, the sender leaves the group before
+        its clean-up finish, and the servers discard the staged round.
+        """
         if self._failure is not None:
             raise WeightTransferError(
                 f"this engine failed in an earlier round ({self._failure}); call shutdown() and "
@@ -269,7 +280,7 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         sent = 0
         try:
             if self.is_sender:
-                sent = self._send_round(items, metas, weight_version)
+                sent = self._send_round(items, metas, weight_version, commit_gate)
             else:
                 for _ in items:
                     pass
@@ -285,15 +296,23 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
                 gather_seconds=items.seconds,
             )
 
-    def _send_round(self, items: _TimedIterator, metas: list[ParamMeta], weight_version: str | None) -> int:
+    def _send_round(
+        self,
+        items: _TimedIterator,
+        metas: list[ParamMeta],
+        weight_version: str | None,
+        commit_gate: Callable[[], None] | None,
+    ) -> int:
         if self.group is None:
             raise WeightTransferError("the engine has no transfer group: it was shut down; create a new one")
         server_call: Future | None = None
         try:
             self._start_update()
-            update_info = update_info_for(metas, session_id=self.session_id)
+            update_info = update_info_for(metas, session_id=self.session_id, staged=commit_gate is not None)
             server_call = in_daemon_thread(lambda: self.client.update_weights(update_info), "wt-update")
-            sent = self._broadcast(_checked(items, metas), metas, server_call)
+            sent = self._broadcast(checked_stream(items, metas), metas, server_call)
+            if commit_gate is not None:
+                commit_gate()
         except BaseException:
             self._abandon_round(server_call)
             raise
@@ -339,7 +358,9 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         def wait(work: Any) -> None:
             wait_for_work(work, timeout_s=timeout_s, server_call=server_call)
 
-        if self.config.packed:
+        if self.config.packed and isinstance(self.source, HostSnapshot):
+            sent = self._broadcast_chunks(self.source.chunks(self.config.packed_buffer_size_bytes), wait)
+        elif self.config.packed:
             sizes = [m.nbytes for m in metas]
             chunks = plan_chunks(sizes, self.config.packed_buffer_size_bytes)
             sent = broadcast_packed(
@@ -372,11 +393,31 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
             raise WeightTransferError(f"update_weights failed on the server: {e}") from e
         return sent
 
+    def _broadcast_chunks(self, chunks: list[torch.Tensor], wait: Callable[[Any], None]) -> int:
+        """Broadcast packed chunks that already lie in memory (a snapshot's),
+        at most ``packed_num_buffers`` in flight, as ``broadcast_packed``
+        keeps its buffers. Returns the bytes sent."""
+        assert self.group is not None
+        in_flight: deque[Any] = deque()
+        sent = 0
+        for chunk in chunks:
+            if not chunk.numel():  # only zero-size tensors: never sent, as in broadcast_packed
+                continue
+            in_flight.append(self.group.broadcast(chunk))
+            sent += chunk.numel()
+            if len(in_flight) >= self.config.packed_num_buffers:
+                wait(in_flight.popleft())
+        while in_flight:
+            wait(in_flight.popleft())
+        return sent
+
     def _abandon_round(self, server_call: Future | None) -> None:
         """Leave a failed round so that no server stays stuck in it.
 
         Leaving the group first makes a server still receiving fail at once
-        instead of at its timeout. Then a plain finish ends any update that
+        instead of at its timeout, and one that staged the round whole
+        discard it at the finish that follows (it checks that its trainer
+        is still in the group before it commits). Then a plain finish ends any update that
         is still open (a server whose start succeeded while another's failed,
         whose update never arrived, or whose start timed out and ran once it
         answered again, as the finish, sent after it, then does too):

@@ -5,8 +5,9 @@ The dicts are those of vLLM's dense ``nccl`` backend (worker init_info
 packed_buffer_size_bytes, packed_num_buffers``; update_info ``names,
 dtype_names, shapes``) plus ``timeout_s`` and ``transport`` (``"gloo"``,
 ``"nccl"`` or ``"shm"``) and the session's keys (``session_id``,
-``session_proof``: see ``session``) and, when off, ``all_or_nothing``, so
-moving to stock vLLM later is a config change.
+``session_proof``: see ``session``) and, when off, ``all_or_nothing``, and
+in the update dict ``staged`` when on, so moving to stock vLLM later is a
+config change.
 Dtype names are torch attribute names (``"bfloat16"``).
 """
 
@@ -121,13 +122,20 @@ class TorchDistTrainerConfig(WeightTransferConfig):
 @dataclass
 class TorchDistTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info of ``torch_dist``: the shape of vLLM's
-    ``NCCLTrainerInitInfo`` (the same fields, positions, defaults and wire
-    meaning), so code written for it runs with this class in its place.
+    ``NCCLTrainerInitInfo`` (the same fields, positions and wire meaning;
+    defaults where vLLM's has none), so code written for it runs with this
+    class in its place.
 
     Attributes:
         master_address: address the trainer (rank 0) listens on and the
             workers connect to; it must be reachable from the servers.
-        master_port: port for the rendezvous store; ``0`` picks a free one.
+            ``None`` (the default; vLLM's has none): the address this host
+            reaches the servers from, loopback when they all run on this
+            host (``addresses``: the client's ``server_hosts()`` says where
+            they run), so the servers' URLs are all a trainer on another
+            host needs.
+        master_port: port for the rendezvous store; ``0`` (the default;
+            vLLM's has none) picks a free one.
         world_size: 1 + all inference workers; when omitted, the sender asks
             the client (``get_world_size()``) and adds 1.
         packed: broadcast packed chunks (vLLM's default) or one tensor per
@@ -141,8 +149,8 @@ class TorchDistTrainerInitInfo(TrainerInitInfo):
     """
 
     backend: ClassVar[str] = BACKEND  # the factory dispatches on it
-    master_address: str
-    master_port: int
+    master_address: str | None = None
+    master_port: int = 0
     world_size: int | None = None
     packed: bool = True
     packed_buffer_size_bytes: int = VLLM_PACKED_BUFFER_SIZE_BYTES
@@ -208,13 +216,25 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     (``wt_callbacks.lora``): ``{"name", "version", "config"}``, the name it is
     served under, its version in the session and its ``adapter_config.json``.
     The worker writes it as that version (``lora.files``) instead of loading
-    it into the model."""
+    it into the model.
+
+    ``staged`` (``commit: staged``): the worker accepts the update (every
+    check that refuses one before any byte moves runs first), receives it on
+    a thread of its own into staging that the served model does not read,
+    and returns, so the server keeps generating on its previous weights while
+    the round streams; ``finish_weight_update`` waits for the staging and
+    applies it, or discards it if the staging failed or the trainer left the
+    group meanwhile. A trainer sends the key only when it is true, so a server
+    older than it refuses a staged round (naming the key) instead of taking
+    it as a plain one.
+    """
 
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
     session_id: str | None = None
     lora: dict[str, Any] | None = None
+    staged: bool = False
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -254,9 +274,10 @@ def check_names_unique(names: Iterable[str], *, key: str) -> None:
             raise ValueError(f"{key} lists {name!r} twice (at {j} and {i}); a round sends each tensor once")
 
 
-def update_info_for(metas: Iterable[ParamMeta], *, session_id: str | None = None) -> dict[str, Any]:
+def update_info_for(metas: Iterable[ParamMeta], *, session_id: str | None = None, staged: bool = False) -> dict[str, Any]:
     """The JSON update dict describing ``metas``, for the session ``session_id``
-    (an engine's ``session_id``; ``None`` for a group formed without one)."""
+    (an engine's ``session_id``; ``None`` for a group formed without one);
+    ``staged`` asks for a staged round (``TorchDistWeightTransferUpdateInfo``)."""
     metas = list(metas)
     info: dict[str, Any] = {
         "names": [m.name for m in metas],
@@ -265,4 +286,6 @@ def update_info_for(metas: Iterable[ParamMeta], *, session_id: str | None = None
     }
     if session_id is not None:
         info["session_id"] = session_id
+    if staged:
+        info["staged"] = True
     return info

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,13 @@ from wt_callbacks.transfer.backends.torch_dist.wire import (
     TorchDistWeightTransferInitInfo,
     TorchDistWeightTransferUpdateInfo,
 )
-from wt_callbacks.transfer.base import WeightTransferConfig, WeightTransferEngine
+from wt_callbacks.transfer.base import (
+    CLEANUP_TIMEOUT_S,
+    WeightTransferConfig,
+    WeightTransferEngine,
+    WeightTransferError,
+    in_daemon_thread,
+)
 from wt_callbacks.transfer.clients import api_key_or_env
 from wt_callbacks.transfer.packing import broadcast_packed, receive_packed
 
@@ -44,6 +52,29 @@ class ReceiveStats:
     bytes: int
     seconds: float
     waiting_s: float
+
+
+class StagedTensors:
+    """Where a host that applies a staged round at finish (the vLLM plugin)
+    receives it: the round's ``(name, tensor)`` pairs as they arrived, views
+    of the receive buffers, which hold a whole round (each chunk its own,
+    kept until the next round is received)."""
+
+    copies_loaded_tensors = False
+
+    def __init__(self) -> None:
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+
+    def load_weights(self, weights: Any) -> None:
+        self.tensors.extend(weights)
+
+
+@dataclass(frozen=True)
+class _Staging:
+    """A staged update receiving on a thread of its own, in its session's group."""
+
+    group: TransferGroup
+    receiving: Future
 
 
 class TorchDistWeightTransferEngine(
@@ -78,6 +109,18 @@ class TorchDistWeightTransferEngine(
     ``--api-key`` reads), a host may set it. ``None``: any init_info is
     accepted.
 
+    A staged update (``update_info.staged``, the trainer's ``commit:
+    staged``) is accepted as any other (every refusal above runs first), then
+    received into the target on a thread of its own, and ``update_weights``
+    returns: the host goes on serving from its model while the round
+    streams, provided the target is not the served model (the reference
+    receiver's ``StagedWeights``; the vLLM plugin collects the tensors and
+    applies them at finish). ``finish_weight_update`` waits for it
+    (``finish_staging``) and raises, keeping the target's stage out of the
+    served model, if it failed, or if the trainer left the group meanwhile
+    (a trainer that gave up on the round leaves the group before the
+    clean-up finish it sends).
+
     ``last_receive``: the ``ReceiveStats`` of the last update that completed.
     """
 
@@ -95,6 +138,7 @@ class TorchDistWeightTransferEngine(
         # faults of fresh memory. Not on a GPU, where they would pin a copy of
         # the model in device memory.
         self._receive_buffers: list[torch.Tensor] | None = [] if device.type == "cpu" else None
+        self._staging: _Staging | None = None
 
     def worker_rank(self, init_info: TorchDistWeightTransferInitInfo) -> int:
         pc = self.parallel_config
@@ -147,7 +191,51 @@ class TorchDistWeightTransferEngine(
         the vLLM plugin adds layerwise reload here."""
 
     def finish_weight_update(self) -> None:
-        """Nothing to finalize (see ``start_weight_update``)."""
+        """Wait for a staged update (``finish_staging``); nothing else to finalize."""
+        self.finish_staging()
+
+    def update_weights(self, update_info: Mapping[str, Any]) -> None:
+        """Receive and load one update, or stage it (``update_info.staged``)."""
+        typed = self.parse_update_info(update_info)
+        if typed.staged:
+            self.stage_weights(typed)
+            return
+        super().update_weights(update_info)
+
+    def stage_weights(self, update_info: TorchDistWeightTransferUpdateInfo, into: Any = None) -> None:
+        """Accept a staged update, then receive it on a thread into ``into``
+        (default: the target, which must not be the served model)."""
+        if self._staging is not None:
+            raise RuntimeError("a staged weight update is still receiving; finish it before the next one")
+        self.accept_update(update_info)
+        model, group, info = self.model if into is None else into, self.group, self.init_info
+        assert group is not None and info is not None
+        receiving = in_daemon_thread(lambda: self._stream_into(model, group, info, update_info), "wt-staging")
+        self._staging = _Staging(group, receiving)
+
+    def finish_staging(self) -> bool:
+        """Wait for the staged update, if one is open (``True`` then): at most
+        its ``timeout_s``. Raises ``WeightTransferError`` if it failed, did not
+        end in time, or its trainer left the group before this commit."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return False
+        timeout_s = self.init_info.timeout_s if self.init_info is not None else CLEANUP_TIMEOUT_S
+        try:
+            staging.receiving.result(timeout=timeout_s)
+        except FutureTimeout:
+            self._leave(staging.group)
+            raise WeightTransferError(
+                f"the staged update did not arrive within timeout_s={timeout_s:g}; it is discarded"
+            ) from None
+        except Exception as e:
+            raise WeightTransferError(f"the staged update failed and is discarded: {e}") from e
+        if staging.group is not self.group or not staging.group.trainer_still_there(within_s=min(timeout_s, CLEANUP_TIMEOUT_S)):
+            self._leave(staging.group)
+            raise WeightTransferError(
+                "the trainer left the transfer group before it committed the staged update: it is discarded"
+            )
+        return True
 
     def check_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
         """Refuse (raise) an update of this session the model cannot take,
@@ -163,6 +251,13 @@ class TorchDistWeightTransferEngine(
         logger.info("torch_dist update_weights: receiving %d tensors", len(update_info.names))
 
     def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+        self.accept_update(update_info)
+        assert self.group is not None and self.init_info is not None
+        self._stream_into(self.model, self.group, self.init_info, update_info)
+
+    def accept_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+        """Refuse an update that is not this session's, or that the model
+        cannot take (``check_update``), before any byte moves."""
         if self.group is None or self.init_info is None:
             raise RuntimeError("init_weight_transfer_engine must be called before update_weights")
         check_update_session(self.init_info.session_id, update_info.session_id)
@@ -203,7 +298,15 @@ class TorchDistWeightTransferEngine(
             self.shutdown()
             raise
         self.log_receiving(update_info)
-        info, group = self.init_info, self.group
+
+    def _stream_into(
+        self,
+        model: Any,
+        group: TransferGroup,
+        info: TorchDistWeightTransferInitInfo,
+        update_info: TorchDistWeightTransferUpdateInfo,
+    ) -> None:
+        """Receive the update from ``group`` (of the session ``info``) into ``model.load_weights``."""
         metas = list(zip(update_info.dtypes, update_info.shapes))
         started, waiting = time.perf_counter(), 0.0
 
@@ -222,40 +325,28 @@ class TorchDistWeightTransferEngine(
                 wait=wait,
                 device=group.device,
                 buffers=self._receive_buffers if group.device.type == "cpu" else None,
-                loader_copies=bool(getattr(self.model, "copies_loaded_tensors", False)),
-                destinations=self._destinations(update_info),
+                loader_copies=bool(getattr(model, "copies_loaded_tensors", False)),
+                destinations=_destinations(model, update_info),
                 receive_parts=group.broadcast_parts,
             )
         else:
-            tensors = self._receive_unpacked(metas, wait)
+            tensors = _receive_unpacked(group, metas, wait)
         weights = zip(update_info.names, tensors)
         try:
-            self.model.load_weights(weights)
+            model.load_weights(weights)
             for _ in weights:  # what load_weights skipped must still come off the wire
                 pass
         except Exception:
-            self.shutdown()
+            self._leave(group)
             raise
         nbytes = sum(dtype.itemsize * torch.Size(shape).numel() for dtype, shape in metas)
         self.last_receive = ReceiveStats(len(metas), nbytes, time.perf_counter() - started, waiting)
 
-    def _destinations(self, update_info: TorchDistWeightTransferUpdateInfo) -> list[torch.Tensor | None] | None:
-        """The target's ``receive_into(name, dtype, shape)`` for every tensor,
-        if it has one: where it wants a tensor received straight into."""
-        receive_into = getattr(self.model, "receive_into", None)
-        if not callable(receive_into):
-            return None
-        return [
-            receive_into(name, dtype, tuple(shape))
-            for name, dtype, shape in zip(update_info.names, update_info.dtypes, update_info.shapes)
-        ]
-
-    def _receive_unpacked(self, metas: list[tuple[torch.dtype, list[int]]], wait: Any) -> Iterator[torch.Tensor]:
-        assert self.group is not None
-        for dtype, shape in metas:
-            tensor = torch.empty(tuple(shape), dtype=dtype, device=self.group.device)
-            wait(self.group.broadcast(tensor))
-            yield tensor
+    def _leave(self, group: TransferGroup) -> None:
+        """Leave ``group`` if it is still the session's (a staging thread's
+        may have been replaced by a newer session meanwhile)."""
+        if self.group is group:
+            self.shutdown()
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -292,3 +383,21 @@ class TorchDistWeightTransferEngine(
             for tensor in tensors:
                 broadcast(tensor.contiguous()).wait()
 
+
+def _destinations(model: Any, update_info: TorchDistWeightTransferUpdateInfo) -> list[torch.Tensor | None] | None:
+    """The target's ``receive_into(name, dtype, shape)`` for every tensor,
+    if it has one: where it wants a tensor received straight into."""
+    receive_into = getattr(model, "receive_into", None)
+    if not callable(receive_into):
+        return None
+    return [
+        receive_into(name, dtype, tuple(shape))
+        for name, dtype, shape in zip(update_info.names, update_info.dtypes, update_info.shapes)
+    ]
+
+
+def _receive_unpacked(group: TransferGroup, metas: list[tuple[torch.dtype, list[int]]], wait: Any) -> Iterator[torch.Tensor]:
+    for dtype, shape in metas:
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=group.device)
+        wait(group.broadcast(tensor))
+        yield tensor
