@@ -197,7 +197,7 @@ class TorchDistWeightTransferEngine(
     def update_weights(self, update_info: Mapping[str, Any]) -> None:
         """Receive and load one update, or stage it (``update_info.staged``)."""
         typed = self.parse_update_info(update_info)
-        if typed.staged:
+        if typed.staged and typed.lora is None:  # an adapter round leaves the model alone anyway
             self.stage_weights(typed)
             return
         super().update_weights(update_info)
@@ -251,6 +251,9 @@ class TorchDistWeightTransferEngine(
         logger.info("torch_dist update_weights: receiving %d tensors", len(update_info.names))
 
     def receive_weights(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+        if update_info.lora is not None:
+            self._receive_adapter(update_info)
+            return
         self.accept_update(update_info)
         assert self.group is not None and self.init_info is not None
         self._stream_into(self.model, self.group, self.init_info, update_info)
@@ -261,34 +264,6 @@ class TorchDistWeightTransferEngine(
         if self.group is None or self.init_info is None:
             raise RuntimeError("init_weight_transfer_engine must be called before update_weights")
         check_update_session(self.init_info.session_id, update_info.session_id)
-        if update_info.lora is not None:
-            self._receive_adapter(update_info)
-            return
-        self._receive(update_info)
-
-    def _receive_adapter(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
-        """An adapter round (``lora``): received like weights, into an
-        ``AdapterVersion`` instead of the model, and written as that version
-        on this host, where a load (``/v1/load_lora_adapter``) then finds it.
-        The model is not touched."""
-        from wt_callbacks.lora.files import AdapterVersion, version_dir
-
-        assert self.init_info is not None and update_info.lora is not None
-        lora = update_info.lora
-        directory = version_dir(self.init_info.session_id, self.init_info.rank_offset, lora["name"], lora["version"])
-        version = AdapterVersion(directory, lora["config"])
-        model = self.model
-        self.model = version
-        try:
-            self._receive(update_info)
-        finally:
-            self.model = model
-        version.write()
-        logger.info("torch_dist: adapter %r version %s written to %s", lora["name"], lora["version"], directory)
-
-    def _receive(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
-        """Receive the update's tensors and load them into ``self.model``."""
-        assert self.init_info is not None and self.group is not None
         try:
             self.check_update(update_info)
         except Exception:
@@ -298,6 +273,30 @@ class TorchDistWeightTransferEngine(
             self.shutdown()
             raise
         self.log_receiving(update_info)
+
+    def _receive_adapter(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+        """An adapter round (``lora``): received like weights, into an
+        ``AdapterVersion`` instead of the model, and written as that version
+        on this host, where a load (``/v1/load_lora_adapter``) then finds it.
+        The model is not touched, so there is nothing to stage either."""
+        from wt_callbacks.lora.files import AdapterVersion, version_dir
+
+        if self.init_info is None:
+            raise RuntimeError("init_weight_transfer_engine must be called before update_weights")
+        assert update_info.lora is not None
+        lora = update_info.lora
+        directory = version_dir(self.init_info.session_id, self.init_info.rank_offset, lora["name"], lora["version"])
+        version = AdapterVersion(directory, lora["config"])
+        model = self.model
+        self.model = version  # what check_update validates against
+        try:
+            self.accept_update(update_info)
+        finally:
+            self.model = model
+        assert self.group is not None
+        self._stream_into(version, self.group, self.init_info, update_info)
+        version.write()
+        logger.info("torch_dist: adapter %r version %s written to %s", lora["name"], lora["version"], directory)
 
     def _stream_into(
         self,
