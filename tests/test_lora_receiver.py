@@ -74,6 +74,21 @@ def test_lightning_merge(receiver, tmp_path):
     assert_holds_merged(receiver, lightning(receiver, tmp_path, MERGED))
 
 
+# Rounds sent in the background (and a merge committed staged) end holding the
+# last step's weights too; a round ends after training moved on, so it is not
+# verified in flight: the checksums after fit are the check.
+BACKGROUND = {"send": "async", "verify_every_n_syncs": 0}
+
+
+def test_lightning_adapter_sent_async(receiver, tmp_path):
+    model = lightning(receiver, tmp_path, ADAPTER, lora="adapter", lora_name="policy", **BACKGROUND)
+    assert_holds_adapter(receiver, model, "policy")
+
+
+def test_lightning_merge_sent_async_committed_staged(receiver, tmp_path):
+    assert_holds_merged(receiver, lightning(receiver, tmp_path, MERGED, commit="staged", **BACKGROUND))
+
+
 @pytest.mark.parametrize("mode", ["adapter", "merge"])
 def test_trl(receiver, tmp_path, mode):
     pytest.importorskip("trl")

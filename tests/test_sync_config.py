@@ -244,6 +244,7 @@ def test_lora_keys():
         ({"lora_name": "policy"}, r"lora_name names the adapter lora: adapter serves; set lora: adapter or remove lora_name"),
         ({"lora": "adapter", "lora_name": "../etc"}, r"lora_name='../etc' must be 1-128 characters of letters, digits"),
         ({"lora": "adapter", "lora_name": "p", "exclude": ["*.bias"]}, r"lora: adapter sends the adapter whole: remove them"),
+        ({"lora": "adapter", "lora_name": "p", "commit": "staged"}, r"commit: staged stages base weights; .* set commit: inline"),
     ):
         with pytest.raises(ValueError, match=message):
             SyncConfig(servers=[URL], **keys)

@@ -259,6 +259,14 @@ class SyncConfig:
             )
         if self.include or self.exclude:
             raise ValueError("include / exclude select checkpoint tensors; lora: adapter sends the adapter whole: remove them")
+        if self.commit != "inline":
+            # Each version is loaded under a new name and swapped in by one call, so
+            # the servers never serve a half-written adapter: staging would only
+            # hold a second copy of it.
+            raise ValueError(
+                f"commit: {self.commit} stages base weights; lora: adapter swaps in each adapter version whole "
+                "already: set commit: inline"
+            )
 
     def _check_background(self) -> None:
         """``commit: staged`` and ``send: async`` only where they can be honoured."""
