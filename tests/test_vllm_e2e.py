@@ -46,7 +46,7 @@ import torch
 from tests.support import REPO_ROOT
 from tests.support.faults import FaultyClient
 from tests.support.transfer import InterruptingSource
-from tests.support.vllm import SharedVLLMServer, bf16_rounded, running_server
+from tests.support.vllm import SharedVLLMServer, bf16_rounded, missing_vllm_internals, running_server
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.vllm_server import (
@@ -407,19 +407,9 @@ def test_cpu_tuning_finds_vllm_internals_and_applies(vllm_python: Path, server: 
     """The plugin's CPU adjustments lean on vLLM internals and fall back
     quietly without them; a vLLM upgrade that moves them must fail here, not
     make every push slower."""
-    import json
-    import subprocess
-
     from wt_callbacks.integrations.vllm_cpu_tuning import KEEP_MEMORY, POLLING, WORKER_POLLING
 
-    probe = subprocess.run(
-        [str(vllm_python), "-c", "import json; from wt_callbacks.integrations.vllm_cpu_tuning import "
-         "missing_vllm_internals as m; print('missing:', json.dumps(m()))"],
-        cwd="/", capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert probe.returncode == 0, probe.stderr[-5000:]
-    (line,) = [line for line in probe.stdout.splitlines() if line.startswith("missing: ")]
-    assert json.loads(line.removeprefix("missing: ")) == [], line
+    assert missing_vllm_internals(vllm_python, "vllm_cpu_tuning") == []
     with trainer_engine(server, trainer_model) as (engine, _):
         engine.send_weights("tuning-check")
     # Each process that applies one says so once: the worker at model load,

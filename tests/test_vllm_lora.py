@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from tests.support.lightning_app import run as lightning_run
 from tests.support.lora import ADAPTER, FAMILY, MERGED, TOLERANCE, base_model, peft_model, sharded_rank, trained, trl_run
 from tests.support.lora import section as lora_section
-from tests.support.vllm import running_server
+from tests.support.vllm import missing_vllm_internals, running_server
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import tiny_lms, toy_task
@@ -103,16 +103,7 @@ def test_lightning_adapter_rounds_serve_the_trained_adapter(server, probes, tmp_
 def test_the_api_server_patch_finds_vllm_internals_and_is_installed(vllm_python, server):
     """The adapter versions lean on vLLM's API-server internals; a vLLM
     upgrade that moves them must fail here, not serve stale adapters."""
-    import subprocess
-
-    probe = subprocess.run(
-        [str(vllm_python), "-c", "import json; from wt_callbacks.integrations.vllm_lora import "
-         "missing_vllm_internals as m; print('missing:', json.dumps(m()))"],
-        cwd="/", capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert probe.returncode == 0, probe.stderr[-5000:]
-    (line,) = [line for line in probe.stdout.splitlines() if line.startswith("missing: ")]
-    assert json.loads(line.removeprefix("missing: ")) == [], line
+    assert missing_vllm_internals(vllm_python, "vllm_lora") == []
     # The rounds before this one were loaded by it, in the API server.
     assert any("APIServer" in line and "wt_callbacks: LoRA adapter 'policy' serves" in line for line in server.log.splitlines())
 

@@ -36,6 +36,19 @@ def vllm_python_or_skip() -> Path:
     return python
 
 
+def missing_vllm_internals(python: Path, module: str) -> list[str]:
+    """What ``wt_callbacks.integrations.<module>.missing_vllm_internals()`` reports
+    in the vLLM venv: the vLLM internals that plugin part leans on and no longer finds."""
+    import json
+    import subprocess
+
+    code = f"import json; from wt_callbacks.integrations.{module} import missing_vllm_internals as m; print('missing:', json.dumps(m()))"
+    probe = subprocess.run([str(python), "-c", code], cwd="/", capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr[-5000:]
+    (line,) = [line for line in probe.stdout.splitlines() if line.startswith("missing: ")]
+    return json.loads(line.removeprefix("missing: "))
+
+
 @contextmanager
 def running_server(python: Path, model_dir: Path, log_path: Path, **kwargs: object) -> Iterator[VLLMServer]:
     try:
