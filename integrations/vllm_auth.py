@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from wt_callbacks.transfer.auth import bearer_matches, refusal
-from wt_callbacks.transfer.clients import API_KEY_ENV, api_key_or_env
+from wt_callbacks.transfer.auth import API_KEY_ENV, api_key_or_env
 
 async def require_token(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
     """vLLM ``--middleware`` (an http middleware function, as FastAPI's)."""

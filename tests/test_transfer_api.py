@@ -41,7 +41,7 @@ from wt_callbacks.transfer.backends.torch_dist import (
     TransferGroup,
 )
 from wt_callbacks.transfer.base import finish_with_version
-from wt_callbacks.transfer.clients import assign_rank_offsets
+from wt_callbacks.transfer.server_group import assign_rank_offsets
 from wt_callbacks.transfer.packing import CastPart, broadcast_packed, plan_chunks, receive_packed
 from wt_callbacks.receiver import _host_config
 

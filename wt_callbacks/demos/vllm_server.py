@@ -27,7 +27,7 @@ import torch
 
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.multiprocess import free_port
-from wt_callbacks.transfer.clients import API_KEY_ENV
+from wt_callbacks.transfer.auth import API_KEY_ENV
 from wt_callbacks.verify import ProbeSet, served_completion, served_logprob_diff
 
 VLLM_AUTH_MIDDLEWARE = "wt_callbacks.integrations.vllm_auth.require_token"

@@ -14,8 +14,13 @@ import torch
 
 from wt_callbacks.receiver.adapters import AdapterNotFound
 from wt_callbacks.receiver.core import COMPLETION_PAUSE_WAIT_S, BadRequest, ReceiverCore
-from wt_callbacks.transfer.auth import bearer_matches, refusal
-from wt_callbacks.transfer.clients import API_KEY_ENV, PAUSE_MODES, api_key_or_env
+from wt_callbacks.transfer.auth import (
+    API_KEY_ENV,
+    api_key_or_env,
+    bearer_matches,
+    refusal,
+)
+from wt_callbacks.transfer.clients import PAUSE_MODES
 
 logger = logging.getLogger(__name__)
 

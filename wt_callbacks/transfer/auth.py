@@ -1,7 +1,7 @@
 """The servers' token on HTTP: the bearer check our servers make, and what a
 caller without the token is answered.
 
-The token is the server's ``VLLM_API_KEY`` (``clients.API_KEY_ENV``, what
+The token is the server's ``VLLM_API_KEY`` (``API_KEY_ENV``, what
 vLLM's ``--api-key`` reads); the trainer's client sends it as a bearer token.
 The reference receiver and the vLLM middleware ``integrations.vllm_auth``
 guard their routes with it; the worker engine checks a proof of it on its own
@@ -11,9 +11,16 @@ guard their routes with it; the worker engine checks a proof of it on its own
 from __future__ import annotations
 
 import hmac
+import os
 from typing import Any
 
-from wt_callbacks.transfer.clients import API_KEY_ENV
+API_KEY_ENV = "VLLM_API_KEY"
+"""Env var read for the bearer token when ``api_key`` is not given (vLLM's own)."""
+
+
+def api_key_or_env(api_key: str | None) -> str | None:
+    """``api_key``, else ``VLLM_API_KEY`` from the environment; ``None`` when neither is set (or empty)."""
+    return (api_key if api_key is not None else os.environ.get(API_KEY_ENV)) or None
 
 
 def bearer_matches(authorization: str | None, api_key: str) -> bool:

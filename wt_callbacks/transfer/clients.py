@@ -6,38 +6,30 @@ Ray actors (or our ``RayReceiver``). Both implement ``VLLMWeightSyncClient``.
 
 Several servers are driven as one unit: every call fans out concurrently and
 fails if any server fails. At init each independent server gets its own
-``rank_offset`` in one transfer group (1 + the world sizes of the servers
-before it), so one broadcast from the trainer reaches all of them. Without
-that, independent servers would all claim ranks ``1..n`` and collide.
+``rank_offset`` in one transfer group (``server_group``).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from wt_callbacks.transfer.auth import API_KEY_ENV, api_key_or_env
 from wt_callbacks.transfer.base import (
     WeightTransferError,
-    WeightTransferInitRequest,
     WeightTransferUpdatePayload,
-    WeightTransferUpdateRequest,
 )
+from wt_callbacks.transfer.ray_client import RayVLLMWeightSyncClient
+from wt_callbacks.transfer.server_group import assign_rank_offsets, servers_and_workers
 from wt_callbacks.transfer.validation import check_positive, check_server_urls
+
+__all__ = ["HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient", "WeightSyncHTTPError"]
 
 T = TypeVar("T")
 
-API_KEY_ENV = "VLLM_API_KEY"
-"""Env var read for the bearer token when ``api_key`` is not given (vLLM's own)."""
-
 PAUSE_MODES = ("abort", "wait", "keep")
-
-
-def api_key_or_env(api_key: str | None) -> str | None:
-    """``api_key``, else ``VLLM_API_KEY`` from the environment; ``None`` when neither is set (or empty)."""
-    return (api_key if api_key is not None else os.environ.get(API_KEY_ENV)) or None
 
 DEV_MODE_HINT = (
     "the server does not serve vLLM's weight-transfer routes: start vLLM with "
@@ -54,73 +46,6 @@ class WeightSyncHTTPError(WeightTransferError):
         self.url = url
         self.status = status
         self.body = body
-
-
-def servers_and_workers(names: Sequence[str], world_sizes: Sequence[int]) -> str:
-    """``"http://a has 4 workers, http://b has 1 worker"``: for errors about a group's size."""
-    return ", ".join(f"{n} has {w} worker{'' if w == 1 else 's'}" for n, w in zip(names, world_sizes))
-
-
-def assign_rank_offsets(
-    init_info: Mapping[str, Any], world_sizes: Sequence[int], names: Sequence[str] | None = None
-) -> list[dict[str, Any]]:
-    """One init dict per server, each with its own ``rank_offset``.
-
-    Server i gets ``init_info["rank_offset"] + sum(world_sizes[:i])``; the
-    group's ``world_size`` must cover the trainer and every server. Init dicts
-    without ``rank_offset`` (backends without a group) are sent unchanged.
-    ``names`` (the servers' URLs) go into the error of a mismatch.
-    """
-    if "rank_offset" not in init_info:
-        return [dict(init_info) for _ in world_sizes]
-    first = int(init_info["rank_offset"])
-    needed = first + sum(world_sizes)
-    servers = servers_and_workers(names or [f"server {i}" for i in range(len(world_sizes))], world_sizes)
-    if first < 1:
-        raise ValueError(
-            f"init_info rank_offset={first} must be at least 1: rank 0 is the trainer, and the servers "
-            f"({servers}) take the ranks from rank_offset on"
-        )
-    if "world_size" in init_info and int(init_info["world_size"]) != needed:
-        raise ValueError(
-            f"init_info world_size={init_info['world_size']} does not match the servers ({servers}): "
-            f"rank_offset {first} + server world sizes {list(world_sizes)} = {needed}; "
-            f"set world_size to {needed} (or leave it out to have it computed)"
-        )
-    payloads, offset = [], first
-    for size in world_sizes:
-        payloads.append({**init_info, "rank_offset": offset})
-        offset += size
-    return payloads
-
-
-def group_world_size(client: Any, world_size: int | None = None) -> int:
-    """1 (the trainer) + every server's workers, asked from ``client``: what a
-    trainer's ``init_info`` may leave out as ``world_size``.
-
-    A ``world_size`` given is checked against it where the client can tell:
-    a group the servers' workers do not fill exactly fails here, naming
-    each server and its workers, before any server is called (its workers
-    would refuse one by one, or the rendezvous wait for ranks that never come).
-    """
-    get_world_size = getattr(client, "get_world_size", None)
-    if not callable(get_world_size):
-        if world_size is not None:
-            return world_size
-        raise ValueError(
-            "init_info: world_size is missing and the client has no get_world_size() to ask "
-            "the servers; set world_size = 1 + the number of inference workers"
-        )
-    needed = 1 + int(get_world_size())
-    if world_size is not None and world_size != needed:
-        urls, sizes = getattr(client, "base_urls", None), getattr(client, "world_sizes", None)
-        servers = servers_and_workers(urls, sizes()) if urls and callable(sizes) else f"{needed - 1} workers in all"
-        raise ValueError(
-            f"init_info world_size={world_size} does not match the servers' workers ({servers}): the group "
-            f"is the trainer and every worker, so world_size must be {needed}; set it so, or leave it out to "
-            "have it computed"
-        )
-    return needed
 
 
 class _FanOut:
@@ -392,136 +317,3 @@ class HTTPVLLMWeightSyncClient:
         self._fan_out.close()
         for s in self._sessions:
             s.close()
-
-
-class RayVLLMWeightSyncClient:
-    """Talks to one or more vLLM ``LLM``/``AsyncLLM`` Ray actors.
-
-    Every call passes its arguments by keyword (``request=``,
-    ``weight_version=``, ``new_version=``: the parameter names of vLLM's
-    ``LLM``/``AsyncLLM``): a handle to a vLLM actor, in a process without
-    vLLM (a trainer's), cannot load its methods' signatures, whose
-    annotations name vLLM's types, and Ray then accepts keywords only.
-
-    Args:
-        handle: an actor handle, a named actor's name, or a list of either.
-        timeout: seconds to wait for each fan-out call.
-        namespace: Ray namespace for named actors.
-        shared_group: ``True`` when the actors are DP ranks of *one* vLLM
-            deployment (they compute distinct ranks themselves from their
-            ``data_parallel_index``): all get the same init info, as in vLLM.
-            ``False`` (default) for independent servers: each gets its own
-            ``rank_offset``.
-        world_sizes: each actor's inference world size; when omitted it is
-            asked from the actors' ``get_world_size()`` method.
-        api_key: the token the actors' worker engines check at init (their
-            ``VLLM_API_KEY``); defaults to this process's ``VLLM_API_KEY``.
-            Ray's own authentication guards the calls.
-    """
-
-    def __init__(
-        self,
-        handle: Any,
-        *,
-        timeout: float = 300,
-        namespace: str | None = None,
-        shared_group: bool = False,
-        world_sizes: Sequence[int] | None = None,
-        api_key: str | None = None,
-    ) -> None:
-        import ray
-
-        items = handle if isinstance(handle, (list, tuple)) else [handle]
-        if not items:
-            raise ValueError("handle: give at least one Ray actor handle or actor name")
-        self.handles = [ray.get_actor(h, namespace=namespace) if isinstance(h, str) else h for h in items]
-        if world_sizes is not None and len(world_sizes) != len(self.handles):
-            raise ValueError(
-                f"world_sizes has {len(world_sizes)} entries for {len(self.handles)} actors"
-            )
-        self.timeout = float(timeout)
-        self.shared_group = shared_group
-        self._world_sizes = list(world_sizes) if world_sizes is not None else None
-        self.api_key = api_key_or_env(api_key)
-
-    def _get(self, refs: list[Any], what: str) -> list[Any]:
-        import ray
-
-        try:
-            return ray.get(refs, timeout=self.timeout)
-        except ray.exceptions.GetTimeoutError as e:
-            raise WeightTransferError(f"Ray actors did not finish {what} within {self.timeout:g} s") from e
-
-    def world_sizes(self) -> list[int]:
-        if self._world_sizes is None:
-            try:
-                refs = [h.get_world_size.remote() for h in self.handles]
-            except AttributeError as e:
-                raise ValueError(
-                    "the actors have no get_world_size() method: pass world_sizes=[...] "
-                    "to RayVLLMWeightSyncClient"
-                ) from e
-            self._world_sizes = [int(s) for s in self._get(refs, "get_world_size")]
-        return list(self._world_sizes)
-
-    def get_world_size(self) -> int:
-        if self.shared_group:
-            return self.world_sizes()[0]
-        return sum(self.world_sizes())
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        if self.shared_group or len(self.handles) == 1:
-            payloads = [dict(init_info)] * len(self.handles)
-        else:
-            try:
-                payloads = assign_rank_offsets(init_info, self.world_sizes())
-            except ValueError as e:
-                # vLLM's own Ray client sends every actor the same init info
-                # (the DP ranks of one deployment); code written for it lands here.
-                raise ValueError(
-                    f"{e}. If these actors are the data-parallel ranks of one vLLM deployment, pass "
-                    "shared_group=True: they then take the same init info and place themselves"
-                ) from e
-        refs = [
-            h.init_weight_transfer_engine.remote(request=WeightTransferInitRequest(init_info=p))
-            for h, p in zip(self.handles, payloads)
-        ]
-        self._get(refs, "init_weight_transfer_engine")
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._get([h.shutdown_weight_transfer_engine.remote() for h in self.handles], "shutdown_weight_transfer_engine")
-
-    def start_weight_update(self) -> None:
-        self._get([h.start_weight_update.remote() for h in self.handles], "start_weight_update")
-
-    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
-        request = WeightTransferUpdateRequest(update_info=update_info)
-        self._get([h.update_weights.remote(request=request) for h in self.handles], "update_weights")
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        # vLLM's LLM/AsyncLLM take the version in the same call, so the
-        # version switches atomically with the weights.
-        kwargs = {} if weight_version is None else {"weight_version": weight_version}
-        self._get([h.finish_weight_update.remote(**kwargs) for h in self.handles], "finish_weight_update")
-
-    def update_weight_version(self, new_version: str) -> None:
-        self._get(
-            [h.update_weight_version.remote(new_version=new_version) for h in self.handles], "update_weight_version"
-        )
-
-    def server_hosts(self) -> list[str]:
-        """Where each actor runs, as this process reaches it: loopback for an
-        actor on this process's Ray node, else its node's address (what a
-        trainer engine's group must be reachable from)."""
-        import ray
-
-        here = ray.get_runtime_context().get_node_id()
-        nodes = self._get([h.__ray_call__.remote(fn=_actor_node) for h in self.handles], "locating the actors")
-        return ["127.0.0.1" if node_id == here else ip for node_id, ip in nodes]
-
-
-def _actor_node(actor: Any) -> tuple[str, str]:
-    """Run inside an actor (``__ray_call__``): its Ray node's id and address."""
-    import ray
-
-    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()

@@ -43,7 +43,8 @@ from wt_callbacks.transfer.base import (
     dtype_name,
     source_metadata,
 )
-from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient, group_world_size
+from wt_callbacks.transfer.clients import HTTPVLLMWeightSyncClient
+from wt_callbacks.transfer.server_group import group_world_size
 from wt_callbacks.transfer.infos import VLLM_PACKED_BUFFER_SIZE_BYTES, VLLM_PACKED_NUM_BUFFERS
 from wt_callbacks.transfer.validation import check_wire_fields, parse_wire_dtype
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from wt_callbacks.transfer.auth import API_KEY_ENV
 from wt_callbacks.transfer.base import WeightTransferError
-from wt_callbacks.transfer.clients import API_KEY_ENV
 
 LEGACY_STORE_PREFIX = "wt_callbacks/torch_dist"
 """The store prefix of sessions without a ``session_id``."""

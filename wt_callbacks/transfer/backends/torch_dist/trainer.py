@@ -40,7 +40,7 @@ from wt_callbacks.transfer.base import (
     in_daemon_thread,
     source_metadata,
 )
-from wt_callbacks.transfer.clients import group_world_size
+from wt_callbacks.transfer.server_group import group_world_size
 from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, slot_capacities
 from wt_callbacks.transfer.sources.snapshot import HostSnapshot
 from wt_callbacks.transfer.validation import checked_stream

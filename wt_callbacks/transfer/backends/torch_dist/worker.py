@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from wt_callbacks.transfer.auth import api_key_or_env
 from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, open_store
 from wt_callbacks.transfer.backends.torch_dist.session import (
     API_KEY_ENV,
@@ -31,7 +32,6 @@ from wt_callbacks.transfer.base import (
     WeightTransferError,
     in_daemon_thread,
 )
-from wt_callbacks.transfer.clients import api_key_or_env
 from wt_callbacks.transfer.packing import broadcast_packed, receive_packed
 
 logger = logging.getLogger(__name__)
