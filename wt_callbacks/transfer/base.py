@@ -8,7 +8,8 @@ install it (it pins torch exactly).
 
 The weight sources (``ParamMeta``, ``WeightSource``, ...) live in
 ``weight_source`` and the typed settings (``TrainerInitInfo``,
-``parse_dataclass``) in ``infos``, the wire's dtype names in ``dtypes``, and
+``parse_dataclass``) in ``infos``, the wire's dtype names in ``dtypes``, the
+bounded waits and ``WeightTransferError`` in ``deadlines``, and
 ``ModuleSource`` in ``sources`` (with a gatherer per sharding scheme); they are
 importable from here, where vLLM defines them.
 """
@@ -17,16 +18,20 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from wt_callbacks.transfer.deadlines import (
+    CLEANUP_TIMEOUT_S,
+    WeightTransferError,
+    best_effort,
+    bounded,
+    in_daemon_thread,
+)
 from wt_callbacks.transfer.dtypes import dtype_from_name, dtype_name
 from wt_callbacks.transfer.infos import (
     TrainerInitInfo,
@@ -43,6 +48,8 @@ from wt_callbacks.transfer.weight_source import (
     Replicate,
     Shard,
     WeightSource,
+    check_full_tensors,
+    check_sender_owns_all,
     drain,
     materialize_full_tensor,
     source_metadata,
@@ -74,6 +81,8 @@ __all__ = [
     "WeightTransferUpdateRequest",
     "best_effort",
     "bounded",
+    "check_full_tensors",
+    "check_sender_owns_all",
     "drain",
     "dtype_from_name",
     "dtype_name",
@@ -91,65 +100,6 @@ logger = logging.getLogger(__name__)
 WeightTransferUpdatePayload = dict[str, Any] | list[dict[str, Any]]
 """What ``update_weights`` carries: one dict for every worker, or a list with
 one dict per global worker rank (the worker picks its own entry)."""
-
-
-class WeightTransferError(RuntimeError):
-    """A sync round or a rendezvous failed; the message says what to fix."""
-
-
-CLEANUP_TIMEOUT_S = 10.0
-"""Bound on the best-effort calls after a failed round (ending a server's
-update, resuming generation), at most ``timeout_s`` each: the round already
-failed, and a server that stopped answering must not hold the error back by
-another full ``timeout_s`` per call."""
-
-
-def in_daemon_thread(fn: Callable[[], Any], name: str) -> Future:
-    """Run ``fn`` on a daemon thread: a server call stuck past our timeout
-    must not keep the training process alive at exit."""
-    future: Future = Future()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            future.set_exception(e)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
-
-
-def bounded(fn: Callable[[], Any], what: str, *, within_s: float, peer: str = "server") -> Any:
-    """``fn()``, waiting at most ``within_s`` for it (``WeightTransferError``
-    past that): a config's ``timeout_s`` bounds a server call whatever
-    timeout the client was built with. A call still running past the bound
-    carries on in the background (its own timeout ends it, or the peer's
-    death). ``peer``: who failed to answer, for the message (a worker's calls
-    wait on the trainer)."""
-    future = in_daemon_thread(fn, f"wt-{what}")
-    try:
-        # exception(), not result(): the call's own TimeoutError (a socket's)
-        # is then the call's error, not "no answer".
-        error = future.exception(timeout=within_s)
-    except FutureTimeout:
-        raise WeightTransferError(
-            f"{what}: no answer within {within_s:.3g} s; not waiting for it (the {peer} is frozen or "
-            "overloaded; raise timeout_s if it is just slow)"
-        ) from None
-    if error is not None:
-        raise error
-    return future.result()
-
-
-def best_effort(fn: Callable[[], Any], what: str, *, within_s: float) -> Exception | None:
-    """``bounded`` after a failure: returns the call's error instead of raising it."""
-    try:
-        bounded(fn, what, within_s=within_s)
-    except Exception as e:  # noqa: BLE001 - reported to the caller, whose own error matters more
-        return e
-    return None
 
 
 # --------------------------------------------------------------------------- #
@@ -386,34 +336,6 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
 
     def shutdown(self) -> None:
         """Tear down process groups / communicators. Default no-op."""
-
-
-def check_sender_owns_all(metas: list[ParamMeta], backend: str) -> None:
-    """Refuse a source whose metadata leaves a tensor to ranks other than 0.
-
-    One rank sends every tensor here (the broadcast's root), and it iterates
-    only the tensors it owns (vLLM 0.33's ``ParamMeta.owners``): a tensor it
-    does not own would never reach the servers. Every rank reads the same
-    metadata, so every rank raises alike, before any gather.
-    """
-    for m in metas:
-        if not m.owned_by(0):
-            raise ValueError(
-                f"{m.name!r} is owned by trainer ranks {list(m.owners or ())}, but backend {backend!r} "
-                "sends every tensor from rank 0: rank 0 must own every tensor (owners None, or including 0)"
-            )
-
-
-def check_full_tensors(source: WeightSource, backend: str) -> None:
-    """Refuse a source that yields no full tensors (vLLM 0.33's ``iter_local``
-    alone): the engines here send whole tensors and derive nothing from pieces."""
-    if not isinstance(source, WeightSource):
-        raise ValueError(f"source must be a WeightSource (e.g. ModuleSource(model)), got {type(source).__name__}")
-    if not source.implements_iter_full():
-        raise TypeError(
-            f"backend {backend!r} sends full tensors, but {type(source).__name__} implements neither "
-            "iter_full() nor __iter__"
-        )
 
 
 # --------------------------------------------------------------------------- #

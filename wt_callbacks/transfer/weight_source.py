@@ -278,3 +278,31 @@ class _CastSource(WeightSource):
 
     def gather_only(self) -> Iterator[str]:
         return self._inner.gather_only()
+
+
+def check_sender_owns_all(metas: list[ParamMeta], backend: str) -> None:
+    """Refuse a source whose metadata leaves a tensor to ranks other than 0.
+
+    One rank sends every tensor here (the broadcast's root), and it iterates
+    only the tensors it owns (vLLM 0.33's ``ParamMeta.owners``): a tensor it
+    does not own would never reach the servers. Every rank reads the same
+    metadata, so every rank raises alike, before any gather.
+    """
+    for m in metas:
+        if not m.owned_by(0):
+            raise ValueError(
+                f"{m.name!r} is owned by trainer ranks {list(m.owners or ())}, but backend {backend!r} "
+                "sends every tensor from rank 0: rank 0 must own every tensor (owners None, or including 0)"
+            )
+
+
+def check_full_tensors(source: WeightSource, backend: str) -> None:
+    """Refuse a source that yields no full tensors (vLLM 0.33's ``iter_local``
+    alone): the engines here send whole tensors and derive nothing from pieces."""
+    if not isinstance(source, WeightSource):
+        raise ValueError(f"source must be a WeightSource (e.g. ModuleSource(model)), got {type(source).__name__}")
+    if not source.implements_iter_full():
+        raise TypeError(
+            f"backend {backend!r} sends full tensors, but {type(source).__name__} implements neither "
+            "iter_full() nor __iter__"
+        )
