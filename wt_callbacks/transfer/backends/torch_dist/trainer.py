@@ -202,14 +202,19 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         if api_key:
             self.worker_init_info["session_proof"] = session_proof(api_key, session_id, master_address, port)
         payload = dict(self.worker_init_info)
-        server_call = in_daemon_thread(lambda: self.client.init_weight_transfer_engine(payload), "wt-init")
         # The group joins through a client of the store, not the store server
         # itself: giving up, this thread closes the server, which ends a join
         # still waiting for workers at once (left to run out its timeout, it
-        # holds the port, and a process exiting meanwhile aborts in it).
+        # holds the port, and a process exiting meanwhile aborts in it). The
+        # client connects here, while the server surely listens: connecting on
+        # the join's thread, it could find the server already closed by a
+        # fast failure below, and TCPStore then retries its connect in C++ for
+        # twice timeout_s, past any exit wait.
+        store = open_store(master_address, port, world_size, is_master=False, timeout_s=timeout_s)
+        server_call = in_daemon_thread(lambda: self.client.init_weight_transfer_engine(payload), "wt-init")
         joined = in_daemon_thread(
             lambda: TransferGroup.connect(
-                open_store(master_address, port, world_size, is_master=False, timeout_s=timeout_s),
+                store,
                 master_address=master_address,
                 rank=0,
                 world_size=world_size,
