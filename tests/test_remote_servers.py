@@ -121,7 +121,7 @@ def test_a_failed_connect_raises_the_python_error_and_exits_with_it(
     )  # fmt: skip
     assert "terminate called" not in run.stderr, run.stderr[-3000:]
     assert run.returncode == 1, run.stderr[-3000:]
-    assert "\nwt_callbacks.transfer.base.WeightTransferError: weight sync connecting to the servers failed" in run.stderr
+    assert "\nwt_callbacks.transfer.errors.WeightTransferError: weight sync connecting to the servers failed" in run.stderr
     assert f"cannot reach the trainer's rendezvous store at {hosts.unreachable}:" in run.stderr
 
 

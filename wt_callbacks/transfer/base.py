@@ -9,7 +9,7 @@ install it (it pins torch exactly).
 The weight sources (``ParamMeta``, ``WeightSource``, ...) live in
 ``weight_source`` and the typed settings (``TrainerInitInfo``,
 ``parse_dataclass``) in ``infos``, the wire's dtype names in ``dtypes``, the
-bounded waits and ``WeightTransferError`` in ``deadlines``, and
+bounded waits in ``deadlines``, ``WeightTransferError`` in ``errors``, and
 ``ModuleSource`` in ``sources`` (with a gatherer per sharding scheme); they are
 importable from here, where vLLM defines them.
 """
@@ -25,14 +25,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, run
 
 import torch
 
-from wt_callbacks.transfer.deadlines import (
-    CLEANUP_TIMEOUT_S,
-    WeightTransferError,
-    best_effort,
-    bounded,
-    in_daemon_thread,
-)
+from wt_callbacks.transfer.deadlines import CLEANUP_TIMEOUT_S, best_effort, bounded, in_daemon_thread
 from wt_callbacks.transfer.dtypes import dtype_from_name, dtype_name
+from wt_callbacks.transfer.errors import WeightTransferError
 from wt_callbacks.transfer.infos import (
     TrainerInitInfo,
     fields_of,

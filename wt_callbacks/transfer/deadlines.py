@@ -1,9 +1,5 @@
 """Every wait on a peer is bounded: a server or trainer that stops answering
-fails the round with a message, never hangs the training loop or its exit.
-
-``WeightTransferError`` (the error of a failed round or rendezvous) lives
-here, below ``base``, which re-exports it under vLLM's module path.
-"""
+fails the round with a message, never hangs the training loop or its exit."""
 
 from __future__ import annotations
 
@@ -13,10 +9,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-
-class WeightTransferError(RuntimeError):
-    """A sync round or a rendezvous failed; the message says what to fix."""
-
+from wt_callbacks.transfer.errors import WeightTransferError
 
 CLEANUP_TIMEOUT_S = 10.0
 """Bound on the best-effort calls after a failed round (ending a server's
