@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.support.lora import trained
+from tests.test_sharded_sources import deepspeed_engine
 from wt_callbacks.demos import tiny_lms
 from wt_callbacks.demos.multiprocess import free_port, leave_group_together
 from wt_callbacks.lora.adapter import AdapterSource
@@ -272,14 +273,7 @@ def _zero3_rank(rank: int, port: int, out_dir: str) -> None:
     out: dict = {}
     try:
         for case in ("all-linear", "dora-modules-to-save", "moe-experts", "lora-bias"):
-            model = peft_case(case)
-            config = {
-                "train_micro_batch_size_per_gpu": 1,
-                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-            }
-            params = [p for p in model.parameters() if p.requires_grad]
-            engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=params)
+            engine = deepspeed_engine(peft_case(case), 3, stage3_param_persistence_threshold=0)
             assert ModuleSource(engine).scheme == "zero3"
             assert_sends_like(engine, peft_case(case), f"zero3 {case}")
         out["ok"] = True

@@ -227,7 +227,9 @@ def deepspeed_engine(module: nn.Module, stage: int, **zero) -> nn.Module:
         # torch's AdamW: DeepSpeed's own would JIT-build an op.
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
     }
-    engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=module.parameters())
+    # The optimizer takes what trains: a PEFT model's frozen base stays out.
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=trainable)
     return engine
 
 
