@@ -207,14 +207,15 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 )
 
         def update_weights(self, update_info: Any) -> None:
-            if isinstance(update_info, dict) and update_info.get("lora") is not None:
+            # Parsed once: the base engines take the typed info as it is.
+            typed = self.parse_update_info(update_info)
+            if typed.lora is not None:
                 # A LoRA adapter (``lora: adapter``): the base engine writes it
                 # as a version on this host's disk; the model is not touched
                 # (no layerwise reload, nothing to stage), and vllm_lora loads
                 # it when asked.
-                super().update_weights(update_info)
+                super().update_weights(typed)
                 return
-            typed = self.parse_update_info(update_info)
             if typed.staged:
                 staged = StagedTensors()
                 self._inline_session = False
@@ -225,7 +226,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             self._inline_session = True
             with self._restored_on_failure("round"):
                 self._begin_reload()
-                super().update_weights(update_info)
+                super().update_weights(typed)
             received = self.last_receive
             if received is None:
                 return
@@ -254,9 +255,9 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 len(update_info.names), "once all arrived" if self.init_info.all_or_nothing else "as each completes",
             )  # fmt: skip
 
-        def check_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
+        def check_update(self, update_info: TorchDistWeightTransferUpdateInfo, target: Any) -> None:
             if update_info.lora is not None:  # checked against the adapter, not the served checkpoint
-                super().check_update(update_info)
+                super().check_update(update_info, target)
                 return
             reason = self._guard.refusal(
                 update_info.names, update_info.dtypes, update_info.shapes, serving=update_info.staged

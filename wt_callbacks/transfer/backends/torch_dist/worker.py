@@ -194,20 +194,20 @@ class TorchDistWeightTransferEngine(
         """Wait for a staged update (``finish_staging``); nothing else to finalize."""
         self.finish_staging()
 
-    def update_weights(self, update_info: Mapping[str, Any]) -> None:
+    def update_weights(self, update_info: Mapping[str, Any] | TorchDistWeightTransferUpdateInfo) -> None:
         """Receive and load one update, or stage it (``update_info.staged``)."""
         typed = self.parse_update_info(update_info)
         if typed.staged and typed.lora is None:  # an adapter round leaves the model alone anyway
             self.stage_weights(typed)
             return
-        super().update_weights(update_info)
+        super().update_weights(typed)
 
     def stage_weights(self, update_info: TorchDistWeightTransferUpdateInfo, into: Any = None) -> None:
         """Accept a staged update, then receive it on a thread into ``into``
         (default: the target, which must not be the served model)."""
         if self._staging is not None:
             raise RuntimeError("a staged weight update is still receiving; finish it before the next one")
-        self.accept_update(update_info)
+        self.accept_update(update_info, self.model)
         model, group, info = self.model if into is None else into, self.group, self.init_info
         assert group is not None and info is not None
         receiving = in_daemon_thread(lambda: self._stream_into(model, group, info, update_info), "wt-staging")
@@ -237,11 +237,11 @@ class TorchDistWeightTransferEngine(
             )
         return True
 
-    def check_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
-        """Refuse (raise) an update of this session the model cannot take,
-        before anything is received: the target's ``validate_update(names,
-        dtypes, shapes)`` if it has one."""
-        validate = getattr(self.model, "validate_update", None)
+    def check_update(self, update_info: TorchDistWeightTransferUpdateInfo, target: Any) -> None:
+        """Refuse (raise) an update of this session ``target`` cannot take,
+        before anything is received: its ``validate_update(names, dtypes,
+        shapes)`` if it has one."""
+        validate = getattr(target, "validate_update", None)
         if callable(validate):
             validate(update_info.names, update_info.dtypes, [tuple(s) for s in update_info.shapes])
 
@@ -254,18 +254,18 @@ class TorchDistWeightTransferEngine(
         if update_info.lora is not None:
             self._receive_adapter(update_info)
             return
-        self.accept_update(update_info)
+        self.accept_update(update_info, self.model)
         assert self.group is not None and self.init_info is not None
         self._stream_into(self.model, self.group, self.init_info, update_info)
 
-    def accept_update(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
-        """Refuse an update that is not this session's, or that the model
+    def accept_update(self, update_info: TorchDistWeightTransferUpdateInfo, target: Any) -> None:
+        """Refuse an update that is not this session's, or that ``target``
         cannot take (``check_update``), before any byte moves."""
         if self.group is None or self.init_info is None:
             raise RuntimeError("init_weight_transfer_engine must be called before update_weights")
         check_update_session(self.init_info.session_id, update_info.session_id)
         try:
-            self.check_update(update_info)
+            self.check_update(update_info, target)
         except Exception:
             # The update is this session's own: its trainer streams into
             # the group right now, and the round is lost. Leaving the
@@ -287,12 +287,7 @@ class TorchDistWeightTransferEngine(
         lora = update_info.lora
         directory = version_dir(self.init_info.session_id, self.init_info.rank_offset, lora["name"], lora["version"])
         version = AdapterVersion(directory, lora["config"])
-        model = self.model
-        self.model = version  # what check_update validates against
-        try:
-            self.accept_update(update_info)
-        finally:
-            self.model = model
+        self.accept_update(update_info, version)
         assert self.group is not None
         self._stream_into(version, self.group, self.init_info, update_info)
         version.write()
