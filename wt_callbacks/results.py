@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -62,10 +61,6 @@ class SyncResult:
     def metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
         """Every numeric field keyed for a framework logger (``weight_sync/bytes``, ...)."""
         return {f"{prefix}{k}": float(v) for k, v in asdict(self).items() if k != "version" and v is not None}
-
-    def as_json(self) -> dict[str, Any]:
-        """The fields as JSON values (for the ranks' agreement)."""
-        return asdict(self)
 
     def summary(self) -> str:
         """The round in one line: ``weight sync step-20: 0.151 s, 800.0 MB, 5.29 GB/s (gather 0.010 s)``;

@@ -220,8 +220,8 @@ class Verifier:
     Trainer rank 0 queries the servers (every engine of a data-parallel
     one) and broadcasts their answers; every rank then runs the trainer
     model's forward on them (a collective when the model is sharded) and the
-    largest difference decides. ``last_diffs`` keeps the last check's per
-    engine, which it also logs. ``model_name``: the served name to ask
+    largest difference decides; the difference per engine is logged.
+    ``model_name``: the served name to ask
     (``lora: adapter``'s ``lora_name``).
     """
 
@@ -236,7 +236,6 @@ class Verifier:
         self.timeout_s = timeout_s
         self.api_key = api_key
         self.probes = probes or ProbeSet.for_vocab(vocab_size_of(model))
-        self.last_diffs: dict[str, float] = {}
 
     @classmethod
     def for_config(cls, config: Any, source: Any) -> Verifier:
@@ -272,7 +271,7 @@ class Verifier:
             answers = query_servers(self.urls, self.probes, timeout_s=self.timeout_s, api_key=self.api_key, model_name=self.model_name)
         if world_size > 1:
             answers = collectives.broadcast(answers)
-        diffs = self.last_diffs = max_logprob_diff(self.model, self.probes, answers)
+        diffs = max_logprob_diff(self.model, self.probes, answers)
         logger.info("verification: max |logprob diff| per engine: %s", ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
         url = max(diffs, key=diffs.__getitem__)
         if diffs[url] > self.tolerance:
