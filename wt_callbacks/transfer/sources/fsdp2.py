@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from wt_callbacks.lora.merge import Merge
-from wt_callbacks.transfer.weight_source import ParamMeta
+from wt_callbacks.transfer.weight_source import ParamMeta, materialize_full_tensor
 from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype
 from wt_callbacks.transfer.validation import check_positive
 
@@ -293,11 +293,11 @@ class FSDP2Shards(ParameterGather):
         plan's order on every rank."""
         from torch.distributed.tensor import DTensor
 
-        factors = {n: _full(params[n]) for n in merge.factors}
+        factors = {n: materialize_full_tensor(params[n].detach()) for n in merge.factors}
         out = dtype if dtype is not None else tensor.dtype
         plan = _gather_plan(tensor, self._mesh_groups)
         if plan is None or not merge.row_local:
-            return merge.full(_full(tensor), factors).to(out)
+            return merge.full(materialize_full_tensor(tensor.detach()), factors).to(out)
         _, world, coordinate = plan
         with torch.no_grad():
             local = tensor.to_local()
@@ -385,11 +385,3 @@ class FSDP2Shards(ParameterGather):
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole of a parameter (``full_tensor()`` of a ``DTensor``: a collective)."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    with torch.no_grad():
-        return full_tensor() if callable(full_tensor) else tensor.detach()
-
