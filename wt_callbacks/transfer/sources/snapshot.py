@@ -64,8 +64,6 @@ class HostSnapshot(WeightSource):
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._metas: list[ParamMeta] = []  # of the last capture that completed
         self._offsets: list[int] = []
-        self._pending: list[ParamMeta] = []  # of the capture under way
-        self._copied = 0
 
     @property
     def nbytes(self) -> int:
@@ -85,12 +83,12 @@ class HostSnapshot(WeightSource):
         with the metadata fails the capture; the sending rank then still
         finishes the pass, so the other ranks' gathers complete.
         """
-        metas = source_metadata(self.source)
+        metas = source_metadata(self.source)  # on every rank: a source it refuses, every rank refuses alike
         if not is_sender:
             return _timed_pass(self.source.gather_only())
         self._allocate(metas)
         items = self.source.iter_uncast()
-        waited = 0.0
+        waited, i = 0.0, 0
         try:
             stream = checked_stream(items, metas)
             while True:
@@ -99,9 +97,9 @@ class HostSnapshot(WeightSource):
                 waited += time.perf_counter() - t0
                 if tensor is None:
                     break
-                i = self._copied
-                copy_as_wire(self._slot(i), tensor, metas[i].dtype)
-                self._copied += 1
+                start = self._offsets[i]
+                copy_as_wire(self._buffer[start : start + metas[i].nbytes], tensor, metas[i].dtype)
+                i += 1
         except BaseException:
             # Whatever the buffer holds is no round: a later send must not stream it.
             self._metas = []
@@ -120,13 +118,7 @@ class HostSnapshot(WeightSource):
             offset += m.nbytes
         if self._buffer.numel() != offset or self._buffer.is_pinned() != self.pin_memory:
             self._buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=self.pin_memory)
-        self._pending = metas
-        self._copied = 0
         self._metas = []
-
-    def _slot(self, i: int) -> torch.Tensor:
-        start = self._offsets[i]
-        return self._buffer[start : start + self._pending[i].nbytes]
 
     def metadata(self) -> Metadata:  # type: ignore[override]
         return Metadata(self._metas)
