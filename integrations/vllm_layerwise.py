@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from wt_callbacks.integrations.vllm_internals import missing_names
 
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _META = "vllm.model_executor.model_loader.reload.meta"
@@ -35,17 +36,7 @@ REQUIRED_INTERNALS = {
 
 def missing_reload_internals() -> list[str]:
     """The vLLM internals this module needs that the installed vLLM lacks (empty: all there)."""
-    import importlib
-
-    missing = []
-    for module_name, names in REQUIRED_INTERNALS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            missing.append(module_name)
-            continue
-        missing += [f"{module_name}.{n}" for n in names if not hasattr(module, n)]
-    return missing
+    return missing_names(REQUIRED_INTERNALS)
 
 
 @contextmanager
@@ -139,7 +130,10 @@ def reload_undone(model: torch.nn.Module) -> Iterator[None]:
     gets its kernel tensors back as they were, so a model that serves keeps
     its weights (nothing runs it meanwhile: the body runs inside one call
     of the worker, between two steps of the engine)."""
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload, layerwise
+    from vllm.model_executor.model_loader.reload import (
+        initialize_layerwise_reload,
+        layerwise,
+    )
 
     initialize_layerwise_reload(model)
     try:

@@ -45,6 +45,8 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
+from wt_callbacks.integrations.vllm_internals import missing_names
+
 from wt_callbacks.lora import files
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -74,19 +76,7 @@ def missing_vllm_internals() -> list[str]:
     import importlib
     import inspect
 
-    missing = []
-    for module_name, names in REQUIRED.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            missing.append(module_name)
-            continue
-        for name in names:
-            target: Any = module
-            for part in name.split("."):
-                target = getattr(target, part, None)
-            if target is None:
-                missing.append(f"{module_name}.{name}")
+    missing = missing_names(REQUIRED)
     for (module_name, cls_name), names in INSTANCE_ATTRIBUTES.items():
         cls = getattr(importlib.import_module(module_name), cls_name, None)
         source = inspect.getsource(cls.__init__) if cls is not None else ""
@@ -116,7 +106,9 @@ def serve_adapter_versions() -> None:
 
 
 async def _load_version(models: Any, request: Any, base_model_name: str | None) -> Any:
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.entrypoints.serve.exception_handling.error_response import (
+        create_error_response,
+    )
     from vllm.lora.request import LoRARequest
 
     try:
