@@ -176,12 +176,8 @@ class AsyncSends:
         outcome = self._take(skip_if_busy=False)
         verify_diff = None
         if outcome is not None and outcome["error"] is None and verifier is not None:
-
-            def check() -> None:
-                nonlocal verify_diff
-                verify_diff = verifier.check(ws.rank, ws.world_size, ws.collectives)
-
-            if not ws._phase(check, f"verification of {what}"):
+            verified, verify_diff = ws._verify(verifier, what)
+            if not verified:
                 ws.failures += 1
                 return None
         stall = time.perf_counter() - start

@@ -80,17 +80,12 @@ class RoundRunner:
         """The whole round on every rank; its result, or ``None`` if it failed under ``"warn"``."""
         start = time.perf_counter()
         verify_diff: float | None = None
-
-        def check() -> None:
-            nonlocal verify_diff
-            assert verifier is not None
-            verify_diff = verifier.check(self.rank, self.world_size, self.collectives)
-
         what = f"round for step {step} (version {version!r})"
         self.pausing.reset()
         try:
             ok = self._phase(self._begin, what) and self._phase(lambda: self._send(version), what)
-            ok = ok and (verifier is None or self._phase(check, f"verification of {what}"))
+            if ok and verifier is not None:
+                ok, verify_diff = self._verify(verifier, what)
         finally:
             # A no-op unless the round failed before send() resumed: the
             # servers are never left paused, whatever happened.
@@ -146,6 +141,17 @@ class RoundRunner:
 
     def _resume(self, *, quiet: bool = False) -> None:
         self.pausing.resume(self.client, quiet=quiet)
+
+    def _verify(self, verifier: Verifier, what: str) -> tuple[bool, float | None]:
+        """Every rank: ``verifier``'s check of the round ``what`` as a phase
+        (agreed, ``on_error`` applied); whether it passed, and its difference."""
+        diff: float | None = None
+
+        def check() -> None:
+            nonlocal diff
+            diff = verifier.check(self.rank, self.world_size, self.collectives)
+
+        return self._phase(check, f"verification of {what}"), diff
 
     def _connect(self) -> None:
         assert self.source is not None
