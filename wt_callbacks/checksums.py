@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
+from wt_callbacks.transfer.auth import bearer_headers
 from wt_callbacks.transfer.base import materialize_full_tensor
 from wt_callbacks.transfer.sources.gathering import persistent_buffers
 
@@ -72,7 +73,7 @@ def served_checksums(
     """
     import requests
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = bearer_headers(api_key)
     route = f"{url.rstrip('/')}/weight_checker"
     answer = requests.post(route, json={"action": "checksum"}, headers=headers, timeout=timeout_s)
     if answer.status_code != 200:

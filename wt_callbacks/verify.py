@@ -30,6 +30,8 @@ from typing import Any
 import requests
 import torch
 
+from wt_callbacks.transfer.auth import bearer_headers
+
 logger = logging.getLogger(__name__)
 
 DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
@@ -90,7 +92,7 @@ def served_completion(
     }
     if model_name is not None:
         body["model"] = model_name
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = bearer_headers(api_key)
     if data_parallel_rank is not None:
         headers[DATA_PARALLEL_RANK_HEADER] = str(data_parallel_rank)
     answer = requests.post(f"{url.rstrip('/')}/v1/completions", json=body, headers=headers, timeout=timeout_s)
@@ -103,7 +105,7 @@ def served_completion(
 
 def served_model_name(url: str, *, timeout_s: float, api_key: str | None = None) -> str | None:
     """The name completions must carry (``GET /v1/models``), or None if the server lists none."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = bearer_headers(api_key)
     answer = requests.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=timeout_s)
     answer.raise_for_status()
     data = answer.json().get("data") or []
@@ -114,7 +116,7 @@ def data_parallel_size(url: str, *, timeout_s: float, api_key: str | None = None
     """How many data-parallel engines serve behind ``url``: vLLM's world size
     with them (``GET /get_world_size``) over its world size without. 1 for a
     server without the route (vLLM outside dev mode), which is said in the log."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = bearer_headers(api_key)
     sizes = []
     for include_dp in ("true", "false"):
         answer = requests.get(

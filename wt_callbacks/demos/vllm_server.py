@@ -27,7 +27,7 @@ import torch
 
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.multiprocess import free_port
-from wt_callbacks.transfer.auth import API_KEY_ENV
+from wt_callbacks.transfer.auth import API_KEY_ENV, bearer_headers
 from wt_callbacks.verify import ProbeSet, served_completion, served_logprob_diff
 
 VLLM_AUTH_MIDDLEWARE = "wt_callbacks.integrations.vllm_auth.require_token"
@@ -83,7 +83,7 @@ class VLLMServer:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer_headers(self.api_key)
 
     @property
     def log(self) -> str:

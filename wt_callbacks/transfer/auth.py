@@ -23,6 +23,11 @@ def api_key_or_env(api_key: str | None) -> str | None:
     return (api_key if api_key is not None else os.environ.get(API_KEY_ENV)) or None
 
 
+def bearer_headers(api_key: str | None) -> dict[str, str]:
+    """The ``Authorization`` header a caller with ``api_key`` sends (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def bearer_matches(authorization: str | None, api_key: str) -> bool:
     """Whether an ``Authorization`` header carries ``api_key`` (constant time)."""
     return hmac.compare_digest((authorization or "").encode(), f"Bearer {api_key}".encode())

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from wt_callbacks.transfer.auth import API_KEY_ENV, api_key_or_env
+from wt_callbacks.transfer.auth import API_KEY_ENV, api_key_or_env, bearer_headers
 from wt_callbacks.transfer.base import (
     WeightTransferError,
     WeightTransferUpdatePayload,
@@ -115,7 +115,7 @@ class HTTPVLLMWeightSyncClient:
         self.timeout = float(timeout)
         self.timeouts = dict(timeouts or {})
         self.api_key = api_key_or_env(api_key)
-        self._headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._headers = bearer_headers(self.api_key)
         self._sessions = [requests.Session() for _ in self.base_urls]
         self._fan_out = _FanOut(len(self.base_urls))
         self._world_sizes: list[int] | None = None
