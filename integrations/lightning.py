@@ -92,6 +92,7 @@ class WeightSyncCallback(Callback):
         verify_tolerance: float | None = None,
         lora: str | None = None,
         lora_name: str | None = None,
+        send_frozen: str | None = None,
         hparams_key: str = "weight_sync",
         client: Any = None,
     ) -> None:

@@ -133,6 +133,7 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         verify_tolerance: float | None = None,
         lora: str | None = None,
         lora_name: str | None = None,
+        send_frozen: str | None = None,
         hparams: Any = None,
         hparams_key: str = "weight_sync",
         client: Any = None,

@@ -260,8 +260,9 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 super().check_update(update_info, target)
                 return
             reason = self._guard.refusal(
-                update_info.names, update_info.dtypes, update_info.shapes, serving=update_info.staged
-            )
+                update_info.names, update_info.dtypes, update_info.shapes, serving=update_info.staged,
+                kept=(update_info.kept_names, update_info.kept_dtypes, update_info.kept_shapes),
+            )  # fmt: skip
             if reason is not None:
                 raise ValueError(
                     f"{reason}. Nothing was received; the server keeps the previous weights. The trainer "

@@ -16,6 +16,14 @@ reload (``vllm_layerwise`` describes that reload and the hooks into it):
   On a pipeline-parallel server each stage judges its own layers: the
   tensors of the others' it skips, as vLLM's loaders do, but a round that
   leaves one of them out it refuses too, so that the stages agree.
+* **kept tensors** (the update's ``keep``): a round may leave out tensors
+  the server keeps as it holds them. They are traced with the sent ones, so
+  they count towards a complete round; a round that keeps part of what the
+  server loads as one layer (a kept ``k_proj`` beside a sent ``q_proj`` in
+  one fused ``qkv_proj``) is refused before any byte moves, since that
+  layer's previous tensors cannot be fed back through its loader. A layer
+  kept whole (and a tied layer whose partner is) keeps its previous weights
+  at finish, as an unloaded layer does, without failing the round.
 
 What a failure keeps: every previous weight, for a round refused before
 streaming and for one cut mid-stream, since layers completed while an
@@ -114,7 +122,9 @@ class ReloadGuard:
         self.coverage = Coverage(model, metas) if metas else None
         self.round_open = False
         self._live: LiveParameters | None = None
-        self._accepted: set[tuple[Any, ...]] = set()
+        self._accepted: dict[tuple[Any, ...], frozenset[str]] = {}
+        self._kept_layers: frozenset[str] = frozenset()
+        """The served layers the open round keeps whole, by name."""
         logger.info(
             "torch_dist engine: tied parameters %s, %d MoE layers rebuilt per round on CPU, completeness "
             "%s", self.tied.describe(), len(self.moe.layers),
@@ -129,25 +139,58 @@ class ReloadGuard:
         self.round_open = True
 
     def refusal(
-        self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], *, serving: bool = False
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[list[int]],
+        *,
+        serving: bool = False,
+        kept: tuple[list[str], list[torch.dtype], list[list[int]]] = ([], [], []),
     ) -> str | None:
-        """Why a round announcing these tensors must be refused before any byte
-        moves, or ``None``. A round announcing what an accepted one announced
-        is accepted without tracing again: loaders do not look at values.
-        ``serving``: layerwise reload is not under way (a staged round), so a
-        trace begins it and undoes it (``reload_undone``)."""
-        key = (tuple(names), tuple(dtypes), tuple(map(tuple, shapes)))
-        if key in self._accepted:
-            return None
+        """Why a round announcing these tensors (and keeping ``kept``) must be
+        refused before any byte moves, or ``None``. A round announcing what an
+        accepted one announced is accepted without tracing again: loaders do
+        not look at values. ``serving``: layerwise reload is not under way (a
+        staged round), so a trace begins it and undoes it (``reload_undone``)."""
         metas = [(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
-        with reload_undone(self.model) if serving else contextlib.nullcontext():
-            reason = self._refusal(metas)
-        if reason is None:
-            self._accepted.add(key)
-        return reason
+        kept_metas = [(n, d, tuple(s)) for n, d, s in zip(*kept)]
+        key = (tuple(metas), tuple(kept_metas))
+        if key not in self._accepted:
+            with reload_undone(self.model) if serving else contextlib.nullcontext():
+                reason, kept_layers = self._refusal(metas, kept_metas)
+            if reason is not None:
+                return reason
+            self._accepted[key] = kept_layers
+        self._kept_layers = self._accepted[key]
+        return None
 
-    def _refusal(self, metas: list[Meta]) -> str | None:
-        trace = trace_load(self.model, metas)
+    def _refusal(self, metas: list[Meta], kept: list[Meta]) -> tuple[str | None, frozenset[str]]:
+        """The refusal, and the served layers the round keeps whole."""
+        trace = trace_load(self.model, metas + kept)
+        if kept and trace.error:
+            reason = (
+                f"the round keeps {len(kept)} tensors, and its load cannot be traced to check which layers they "
+                f"are part of ({trace.error}): send every tensor (send_frozen: every_round)"
+            )
+            return reason, frozenset()
+        kept_layers, reason = self._kept_layers_of(trace, [n for n, _, _ in metas], [n for n, _, _ in kept])
+        return reason or self._traced_refusal(trace, metas + kept), kept_layers
+
+    @staticmethod
+    def _kept_layers_of(trace: Any, sent: list[str], kept: list[str]) -> tuple[frozenset[str], str | None]:
+        """The served layers only kept tensors load into, or why the round
+        must be refused: a layer both a kept and a sent tensor load into."""
+        loaded_by = {t[0]: n for n in sent for t in trace.targets.get(n, ())}
+        for name in kept:
+            for target in trace.targets.get(name, ()):
+                if target[0] in loaded_by:
+                    return frozenset(), (
+                        f"the round keeps {name!r} but sends {loaded_by[target[0]]!r}, which the served model "
+                        f"loads into one layer ({target[0]}): a layer's tensors are sent together or kept together"
+                    )
+        return frozenset(t[0] for n in kept for t in trace.targets.get(n, ())), None
+
+    def _traced_refusal(self, trace: Any, metas: list[Meta]) -> str | None:
         if trace.error and "meta" in trace.error:
             # A loader that reads values (quantization scales) cannot run on
             # meta tensors; the check at finish still guards the round.
@@ -226,13 +269,16 @@ class ReloadGuard:
             if info.can_load() and _has_parameters(layer):
                 rows.append((name, layer, info))
         incomplete = []
+        kept = {id(layer) for name, layer, _ in rows if name in self._kept_layers}
         for name, layer, info in rows:
             expected = self.coverage.counts.get(id(layer), 0) if self.coverage else _declared_numel(layer, info)
             if info.load_numel >= expected:
                 continue
-            if info.load_numel == 0 and self.tied.is_tied(layer) and self.tied.partner_processed(layer, processed):
+            if info.load_numel == 0 and self.tied.is_tied(layer) and self.tied.partner_in(layer, processed):
                 continue
-            incomplete.append(self._describe(name, layer, info, expected))
+            kept_whole = info.load_numel == 0 and (id(layer) in kept or self.tied.partner_in(layer, kept))
+            if not kept_whole:  # a layer kept whole keeps its previous weights below, as the round said
+                incomplete.append(self._describe(name, layer, info, expected))
             # Nothing buffered: finalize puts the old kernel tensors back unprocessed.
             info.loaded_weights.clear()
             info.load_numel = 0
@@ -267,6 +313,7 @@ class ReloadGuard:
         layers processed again."""
         self.moe.finish()
         self.round_open = False
+        self._kept_layers = frozenset()
         return self.tied.restore(processed)
 
     def abandon(self, processed: set[int]) -> None:

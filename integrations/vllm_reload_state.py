@@ -59,9 +59,10 @@ class TiedParameters:
     def is_tied(self, layer: torch.nn.Module) -> bool:
         return id(layer) in self._layers
 
-    def partner_processed(self, layer: torch.nn.Module, processed: set[int]) -> bool:
+    def partner_in(self, layer: torch.nn.Module, layers: set[int]) -> bool:
+        """Whether a layer ``layer`` shares a tensor with is among ``layers`` (ids)."""
         return any(
-            id(other) in processed
+            id(other) in layers
             for members in self.groups if any(m is layer for _, m, _ in members)
             for _, other, _ in members
         )  # fmt: skip

@@ -159,7 +159,8 @@ class AsyncSends:
 
         def take() -> None:
             nonlocal gather_seconds
-            gather_seconds = self.snapshot.capture(is_sender=ws.rank == 0)
+            with ws.leaving_frozen():
+                gather_seconds = self.snapshot.capture(is_sender=ws.rank == 0)
 
         if not ws._phase(take, f"snapshot of the {what}"):
             ws.failures += 1

@@ -55,9 +55,11 @@ SEND_MODES = ("blocking", "async")
 ASYNC_OVERFLOW_MODES = ("wait", "skip")
 ON_ERROR_MODES = ("raise", "warn")
 LORA_MODES = ("merge", "adapter")
+SEND_FROZEN_MODES = ("once", "every_round")
 BACKGROUND_BACKENDS = ("torch_dist",)
-"""Backends that can stage a round or send it from a background thread: the
-ones whose transfer never uses a communicator the training itself may use."""
+"""Backends that can stage a round, send it from a background thread (their
+transfer never uses a communicator the training itself may use) and leave
+out tensors the servers keep (``send_frozen``): this project's own."""
 
 
 def _choices_error(key: str, value: Any, choices: tuple[str, ...]) -> ValueError:
@@ -149,6 +151,15 @@ class SyncConfig:
             servers load and serve as ``lora_name`` beside the base model.
         lora_name: with ``lora: adapter``, the model name requests give to be
             served the adapter (``"model": lora_name``).
+        send_frozen: ``"once"``: tensors made only of parameters that do not
+            train (``requires_grad`` false, no adapter merged in) are sent in
+            the first round of each connection; later rounds leave them as
+            the servers hold them (``wt_callbacks.transfer.sources.frozen``
+            says which, and why some frozen ones are still sent).
+            ``"every_round"``: every round sends every tensor, for code that
+            changes frozen parameters by hand. Default: ``"once"`` for a PEFT
+            model under ``lora: merge`` (PEFT freezes the base), else
+            ``"every_round"``. ``torch_dist`` only.
     """
 
     backend: str = "torch_dist"
@@ -177,6 +188,7 @@ class SyncConfig:
     verify_tolerance: float | None = None
     lora: str | None = None
     lora_name: str | None = None
+    send_frozen: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in TRIGGER_KEYS if getattr(self, k) is not None]
@@ -233,6 +245,7 @@ class SyncConfig:
         if "rank" in self.init_info:
             raise ValueError("init_info: remove 'rank'; each trainer process sets its own rank")
         self._check_lora()
+        self._check_send_frozen()
 
         # The backend's own parsers check the nested sections now, so a typo
         # there fails at setup like a typo at the top level.
@@ -267,6 +280,26 @@ class SyncConfig:
                 f"commit: {self.commit} stages base weights; lora: adapter swaps in each adapter version whole "
                 "already: set commit: inline"
             )
+
+    def _check_send_frozen(self) -> None:
+        if self.send_frozen is None or self.send_frozen == "every_round":
+            return
+        if self.send_frozen not in SEND_FROZEN_MODES:
+            raise _choices_error("send_frozen", self.send_frozen, SEND_FROZEN_MODES)
+        if self.backend not in BACKGROUND_BACKENDS:
+            raise ValueError(
+                f"send_frozen: once needs backend: torch_dist, not {self.backend!r}: vLLM's own engines load a "
+                "round as a whole model and know no kept tensors; set send_frozen: every_round"
+            )
+        if self.lora == "adapter":
+            raise ValueError("send_frozen: once applies to model weights; lora: adapter sends the adapter alone: remove send_frozen")
+
+    def sends_frozen_once(self, peft_merge: bool) -> bool:
+        """Whether rounds leave frozen tensors out (``send_frozen``), for a
+        source that is (``peft_merge``) or is not a merged PEFT model."""
+        if self.send_frozen is not None:
+            return self.send_frozen == "once"
+        return peft_merge and self.backend in BACKGROUND_BACKENDS
 
     def _check_background(self) -> None:
         """``commit: staged`` and ``send: async`` only where they can be honoured."""

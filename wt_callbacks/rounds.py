@@ -15,10 +15,11 @@ snapshot: the other ranks need no engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from wt_callbacks.collectives import Agreement, Collectives, describe
@@ -73,6 +74,13 @@ class RoundRunner:
         self.last_sync_time: float | None = None
         self.pausing = GenerationPause(config)
         """Rank 0's pause of the servers around a round, and its timing."""
+        self.keeps_frozen = False
+        """``send_frozen: once`` in force for this source (set at setup)."""
+        self._frozen_held: frozenset[str] | None = None
+        """The frozen tensors the servers of this connection hold from its
+        rounds, as of the last one acknowledged; ``None``: no round
+        acknowledged since the connection formed, so the next sends all."""
+        self._round_frozen: frozenset[str] = frozenset()
 
     # -- a round under send: blocking -----------------------------------------
 
@@ -83,7 +91,8 @@ class RoundRunner:
         what = f"round for step {step} (version {version!r})"
         self.pausing.reset()
         try:
-            ok = self._phase(self._begin, what) and self._phase(lambda: self._send(version), what)
+            with self.leaving_frozen():
+                ok = self._phase(self._begin, what) and self._phase(lambda: self._send(version), what)
             if ok and verifier is not None:
                 ok, verify_diff = self._verify(verifier, what)
         finally:
@@ -100,6 +109,26 @@ class RoundRunner:
         )  # fmt: skip
         self._acknowledged(result)
         return result
+
+    @contextlib.contextmanager
+    def leaving_frozen(self) -> Iterator[None]:
+        """Around a round's pass, on every rank (``send_frozen: once``): the
+        source leaves out the frozen tensors the servers already hold, those
+        frozen now that were frozen at the connection's last acknowledged
+        round too (a parameter frozen since then may have trained after it
+        was sent). Every rank reads the same ``requires_grad`` and the same
+        agreed outcomes, so every rank leaves out the same gathers."""
+        if not self.keeps_frozen:
+            yield
+            return
+        assert isinstance(self.source, ModuleSource)
+        self._round_frozen = self.source.frozen_names()
+        held = self._frozen_held
+        self.source.keep(self._round_frozen & held if held is not None else ())
+        try:
+            yield
+        finally:
+            self.source.keep(())
 
     # -- the steps of a round (rank 0's thread runs them under send: async) ---
 
@@ -211,6 +240,7 @@ class RoundRunner:
     def _fail(self, what: str, error: str | None, exc: Exception | None = None) -> None:
         """Apply ``on_error`` to a failed round (``error``: where and why), on every rank alike."""
         self._drop_engine()
+        self._frozen_held = None  # the next connection's servers may hold anything
         message = f"weight sync {what} failed on {error}"
         if self.config.on_error == "raise":
             raise WeightTransferError(
@@ -221,6 +251,13 @@ class RoundRunner:
     def _acknowledged(self, result: SyncResult, *, at: float | None = None) -> None:
         """Count a round the servers acknowledged (``at``: when, ``time.time()``), on every rank alike."""
         self.syncs_completed = result.syncs_completed
+        if self.keeps_frozen:
+            if self._frozen_held is None and self._round_frozen and self.rank == 0:
+                logger.info(
+                    "weight sync: the servers hold %d frozen tensors now; later rounds leave them out (send_frozen: once)",
+                    len(self._round_frozen),
+                )  # fmt: skip
+            self._frozen_held = self._round_frozen
         self.last_synced_step = result.step
         self.last_sync_time = time.time() if at is None else at
         self.last_result = result

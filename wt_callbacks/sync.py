@@ -117,6 +117,7 @@ class WeightSync(RoundRunner):
             self.source = AdapterSource(module, submodule=cfg.module)
         else:
             self.source = ModuleSource(module, submodule=cfg.module, include=cfg.include, exclude=cfg.exclude, lora=cfg.lora)
+            self.keeps_frozen = cfg.sends_frozen_once(peft_merge=self.source.lora is not None)
         self._verifier = Verifier.for_config(cfg, self.source) if cfg.verify_every_n_syncs else None
         if cfg.send == "async":
             self._async = AsyncSends(self, module)
@@ -146,6 +147,7 @@ class WeightSync(RoundRunner):
             close()
         self.client = None
         self.source = None
+        self.keeps_frozen, self._frozen_held = False, None
 
     # -- cadence -------------------------------------------------------------
 

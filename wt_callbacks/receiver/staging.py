@@ -39,6 +39,9 @@ class StagedWeights:
     """
 
     copies_loaded_tensors = True
+    keeps_tensors = True
+    """A round may keep tensors (``validate_update``'s ``kept``): their
+    parameters are left as they are at commit."""
 
     def __init__(
         self,
@@ -62,19 +65,40 @@ class StagedWeights:
         self.bytes = 0
 
     def validate_update(
-        self, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[tuple[int, ...]]
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype],
+        shapes: Sequence[tuple[int, ...]],
+        *,
+        kept: tuple[Sequence[str], Sequence[torch.dtype], Sequence[tuple[int, ...]]] | None = None,
     ) -> None:
         """Refuse an update before anything is received: a name, shape or kind
         of dtype the served model does not have, or one an earlier update of
-        the round sent. A round may send the model in several updates (one
-        per tensor, as TRL's classic client does): whether it left a tensor
-        out is checked at finish (``check_complete``), before anything is
-        applied."""
+        the round sent or kept. A round may send the model in several updates
+        (one per tensor, as TRL's classic client does): whether it left a
+        tensor out is checked at finish (``check_complete``), before anything
+        is applied. ``kept``: tensors the round leaves as they are, which
+        count towards a complete round; a tensor that a converted group
+        (packed MoE experts) rebuilds together with others is kept only with
+        all of them."""
+        kept_names = list(kept[0]) if kept is not None else []
         self.check_tensors(names, dtypes, shapes)
-        again = next((n for n in names if n in self._announced), None)
+        if kept is not None:
+            self.check_tensors(*kept)
+        again = next((n for n in [*names, *kept_names] if n in self._announced), None)
         if again is not None:
             raise ValueError(f"{again!r} was already sent in this round")
+        kept_set = set(kept_names)
+        for name in kept_names:
+            group = self._group_of[name]
+            split = [o.name for o in group.outputs if o.name not in kept_set]
+            if group.converted and split:
+                raise ValueError(
+                    f"the round keeps {name!r} but not {split[0]!r}, which the served model rebuilds with it "
+                    "into one parameter: keep both or send both"
+                )
         self._announced.update(names)
+        self._announced.update(kept_names)
 
     def check_round_complete(self) -> None:
         # A round without any update changes no weight (it sets the version, as in vLLM).

@@ -231,6 +231,12 @@ class WeightSource(ABC):
         """
         return (name for name, _ in self.iter_uncast())
 
+    def kept_metadata(self) -> list[ParamMeta]:
+        """Tensors the servers keep as they hold them this pass: not in the
+        metadata, not iterated, named to the servers so that a round without
+        them is complete (``ModuleSource.keep``). The default: none."""
+        return []
+
     def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightSource:
         """This source, yielding (and describing) tensors in ``dtype``.
 
@@ -264,10 +270,13 @@ class _CastSource(WeightSource):
 
     @property
     def metadata(self) -> Metadata:  # type: ignore[override]
-        return Metadata(
-            dataclasses.replace(m, dtype=self._dtype) if m.dtype.is_floating_point else m
-            for m in source_metadata(self._inner)
-        )
+        return self._cast(source_metadata(self._inner))
+
+    def kept_metadata(self) -> list[ParamMeta]:
+        return self._cast(self._inner.kept_metadata())
+
+    def _cast(self, metas: list[ParamMeta]) -> Metadata:
+        return Metadata(dataclasses.replace(m, dtype=self._dtype) if m.dtype.is_floating_point else m for m in metas)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self._inner:

@@ -153,6 +153,18 @@ class FSDP1Units(ParameterGather):
     def parameters(self) -> list[ParamMeta]:
         return list(self._metas)
 
+    def frozen(self) -> set[str]:
+        """A unit's original parameters where FSDP keeps them
+        (``use_orig_params=True``), else its flat parameter, which FSDP1
+        makes of parameters that all train or all do not."""
+        found = {name for name, p in self._plain.items() if not p.requires_grad}
+        for unit in self._units:
+            flat = unit.fsdp._handle.flat_param
+            for name, index in zip(unit.names, unit.indices):
+                if not (flat._params[index] if flat._params else flat).requires_grad:
+                    found.add(name)
+        return found
+
     def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         wanted = set(names)
         # Factors held by other units than their weight's: gathered when a

@@ -53,6 +53,12 @@ class ParameterGather(ABC):
         under its name relative to that submodule (wrapper segments may
         remain), its own dtype and full shape. No communication."""
 
+    def frozen(self) -> set[str]:
+        """The names (as ``parameters()`` gives them) of the parameters that
+        do not train (``requires_grad`` false). The default reads
+        ``named_parameters()``, whose names ``parameters()`` uses."""
+        return {name for name, p in self.module.named_parameters() if not p.requires_grad}
+
     @abstractmethod
     def gather(self, names: Sequence[str], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors of ``names`` (a subset of ``parameters()``, in its

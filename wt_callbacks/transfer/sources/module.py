@@ -14,7 +14,9 @@ framework holds it. Four concerns, each in its own room:
 * selection: ``include`` / ``exclude`` on the names sent;
 * a PEFT (LoRA) model (``wt_callbacks.lora``): its base checkpoint's names,
   each LoRA-targeted tensor merged with its factors by the gatherer, where
-  the scheme holds it (``lora: merge``).
+  the scheme holds it (``lora: merge``);
+* keeping: the frozen tensors a round may leave as the servers hold them
+  (``sources.frozen``), left out of a pass when the driver says so (``keep``).
 
 The plan linking them (which parameters feed which sent tensors) is built
 from names and shapes alone, so ``metadata()`` never gathers, and it is
@@ -27,7 +29,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -38,6 +40,7 @@ from wt_callbacks.lora.layout import LoraLayout
 from wt_callbacks.naming import checkpoint_name, find_submodule
 from wt_callbacks.transfer.weight_source import Metadata, ParamMeta, WeightSource
 from wt_callbacks.transfer.sources.checkpoint_format import CheckpointLayout, ConversionGroup
+from wt_callbacks.transfer.sources.frozen import keepable
 from wt_callbacks.transfer.sources.gathering import ParameterGather, in_wire_dtype, persistent_buffers
 from wt_callbacks.transfer.sources.schemes import gather_for, sharding_scheme
 
@@ -55,15 +58,30 @@ class _Plan:
     """Persistent buffers to send after them (whole on every rank)."""
     groups: tuple[ConversionGroup, ...]
     """The groups with at least one sent output, in completion order."""
+    selected_groups: tuple[ConversionGroup, ...]
+    """The groups with at least one selected output, kept ones included."""
     names: dict[str, str]
     """Checkpoint-format inputs of ``groups`` by the names held (wrapper
     segments stripped; a PEFT model's base names)."""
     sent: frozenset[str]
+    kept: frozenset[str]
+    """Selected, and left as the servers hold them (``ModuleSource.keep``)."""
     unselected: frozenset[str]
 
     @property
     def metadata(self) -> list[ParamMeta]:
         return [o for g in self.groups for o in g.outputs if o.name in self.sent]
+
+    @property
+    def kept_metadata(self) -> list[ParamMeta]:
+        return [o for g in self.selected_groups for o in g.outputs if o.name in self.kept]
+
+
+@dataclass
+class _Keeping:
+    """The names a pass leaves out, shared by a source and its wire-dtype copies."""
+
+    names: frozenset[str] = frozenset()
 
 
 class ModuleSource(WeightSource):
@@ -134,6 +152,7 @@ class ModuleSource(WeightSource):
         if self.lora is not None:
             self.lora.check_merge()
         self._layout = CheckpointLayout(self._root, rename=None if self.lora is None else self.lora.module_base)
+        self._keeping = _Keeping()
         self._plan_cache: _Plan | None = None
         plan = self._plan()
         for key, patterns in (("include", self.include), ("exclude", self.exclude)):
@@ -166,6 +185,33 @@ class ModuleSource(WeightSource):
         a list (vLLM 0.33's ``source.metadata``) that answers a call too
         (0.32's ``source.metadata()``). Rebuilt only when the parameters change."""
         return Metadata(self._plan().metadata)
+
+    def kept_metadata(self) -> list[ParamMeta]:
+        """The tensors ``keep`` leaves out of the passes, in wire dtype."""
+        return self._plan().kept_metadata
+
+    def frozen_names(self) -> frozenset[str]:
+        """The sent tensors a round may leave as the servers hold them, read
+        now: made only of parameters that do not train, with no adapter
+        merged in, in whole serving units (``sources.frozen``). The same on
+        every rank whose parameters train alike."""
+        plan = self._plan()
+        frozen_held = self._gather.frozen()
+        return keepable(
+            self._root,
+            held={name: raw in frozen_held for raw, name in plan.names.items()},
+            merged={self.lora.base_name(n) for n in self.lora.merges} if self.lora is not None else (),
+            groups=plan.selected_groups,
+            module_base=self.lora.module_base if self.lora is not None else (lambda path: path),
+        )
+
+    def keep(self, names: Iterable[str]) -> None:
+        """Leave ``names`` (sent names) out of the following passes, describing
+        them in ``kept_metadata()`` instead, until called again (``()``: send
+        everything). Shared with this source's wire-dtype copies, so the
+        engine's copy follows. Every rank keeps the same names: what is left
+        out is not gathered."""
+        self._keeping.names = frozenset(names)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if type(self).iter_full is not ModuleSource.iter_full:
@@ -234,7 +280,8 @@ class ModuleSource(WeightSource):
         buffers = persistent_buffers(self._root)
         held = self._gather.parameters() + [ParamMeta(n, b.dtype, tuple(b.shape)) for n, b in buffers.items()]
         metas_held = tuple(ParamMeta(m.name, self._wire(m.dtype), m.shape) for m in held)
-        key = (metas_held, None if self.lora is None else self.lora.state())
+        keeping = self._keeping.names
+        key = (metas_held, None if self.lora is None else self.lora.state(), keeping)
         if self._plan_cache is not None and self._plan_cache.key == key:
             return self._plan_cache
         if self.lora is not None and self._plan_cache is not None:
@@ -259,16 +306,17 @@ class ModuleSource(WeightSource):
             metas.append(ParamMeta(name, m.dtype, m.shape))
         groups = self._layout.plan(metas)
         outputs = {o.name for g in groups for o in g.outputs}
-        sent = frozenset(n for n in outputs if self._selected(n))
-        if not sent:
+        selected = frozenset(n for n in outputs if self._selected(n))
+        if not selected:
             names = [m.name for m in metas]
             raise ValueError(
                 f"nothing to send: module={self._submodule!r} include={list(self.include)} "
                 f"exclude={list(self.exclude)} select none of the {len(names)} parameters "
                 f"(names look like {names[:4]}); fix include / exclude / module"
             )
-        kept = tuple(g for g in groups if any(o.name in sent for o in g.outputs))
-        needed = {i for g in kept for i in g.inputs}
+        sent = selected - keeping
+        used = tuple(g for g in groups if any(o.name in sent for o in g.outputs))
+        needed = {i for g in used for i in g.inputs}
         if self.lora is not None:
             # The gatherer merges, in the names it holds, where the scheme keeps the rows.
             raw = {checkpoint_name(m.name): m.name for m in held}
@@ -279,10 +327,12 @@ class ModuleSource(WeightSource):
             key=key,
             gather_names=tuple(origin[m.name] for m in metas if m.name in needed and origin[m.name] not in buffers),
             buffer_names=tuple(origin[m.name] for m in metas if m.name in needed and origin[m.name] in buffers),
-            groups=kept,
+            groups=used,
+            selected_groups=tuple(g for g in groups if any(o.name in selected for o in g.outputs)),
             names={raw: name for name, raw in origin.items()},
             sent=sent,
-            unselected=frozenset(outputs - sent),
+            kept=selected & keeping,
+            unselected=frozenset(outputs - selected),
         )
         return self._plan_cache
 

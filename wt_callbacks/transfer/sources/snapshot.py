@@ -53,7 +53,7 @@ class HostSnapshot(WeightSource):
             (``source.with_wire_dtype(dtype)``).
         pin_memory: allocate the buffer page-locked (the parameters are on a GPU).
 
-    ``metadata()`` and iteration describe the last capture: iteration yields
+    ``metadata()``, ``kept_metadata()`` and iteration describe the last capture: iteration yields
     views into the buffer (no gather, no copy), valid until the next
     capture. ``required_bytes()`` is what the buffer will take.
     """
@@ -63,6 +63,7 @@ class HostSnapshot(WeightSource):
         self.pin_memory = pin_memory
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._metas: list[ParamMeta] = []  # of the last capture that completed
+        self._kept: list[ParamMeta] = []  # what that capture's round leaves as the servers hold it
         self._offsets: list[int] = []
 
     @property
@@ -108,6 +109,7 @@ class HostSnapshot(WeightSource):
         if self._buffer.is_pinned() and torch.cuda.is_available():
             torch.cuda.synchronize()
         self._metas = metas
+        self._kept = self.source.kept_metadata()
         return waited
 
     def _allocate(self, metas: list[ParamMeta]) -> None:
@@ -122,6 +124,9 @@ class HostSnapshot(WeightSource):
 
     def metadata(self) -> Metadata:  # type: ignore[override]
         return Metadata(self._metas)
+
+    def kept_metadata(self) -> list[ParamMeta]:
+        return list(self._kept)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for m, start in zip(self._metas, self._offsets):

@@ -277,15 +277,16 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
             )
         start = time.perf_counter()
         metas = source_metadata(self.source)
+        kept = self.source.kept_metadata()
         # Every rank checks the same metadata, so all raise before any gather.
-        check_names_unique((m.name for m in metas), key="the weight source's metadata()")
+        check_names_unique((m.name for m in metas + kept), key="the weight source's metadata() and kept_metadata()")
         # The packing casts whole tensors into the wire dtype as it copies
         # them; the ranks that do not send only run the gathers.
         items = _TimedIterator(self.source.iter_uncast() if self.is_sender else self.source.gather_only())
         sent = 0
         try:
             if self.is_sender:
-                sent = self._send_round(items, metas, weight_version, commit_gate)
+                sent = self._send_round(items, metas, kept, weight_version, commit_gate)
             else:
                 for _ in items:
                     pass
@@ -305,6 +306,7 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         self,
         items: _TimedIterator,
         metas: list[ParamMeta],
+        kept: list[ParamMeta],
         weight_version: str | None,
         commit_gate: Callable[[], None] | None,
     ) -> int:
@@ -313,7 +315,9 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         server_call: Future | None = None
         try:
             self._start_update()
-            update_info = update_info_for(metas, session_id=self.session_id, staged=commit_gate is not None)
+            update_info = update_info_for(
+                metas, session_id=self.session_id, staged=commit_gate is not None, kept=kept
+            )
             server_call = in_daemon_thread(lambda: self.client.update_weights(update_info), "wt-update")
             sent = self._broadcast(checked_stream(items, metas), metas, server_call)
             if commit_gate is not None:

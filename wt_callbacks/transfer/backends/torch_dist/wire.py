@@ -227,6 +227,16 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     group meanwhile. A trainer sends the key only when it is true, so a server
     older than it refuses a staged round (naming the key) instead of taking
     it as a plain one.
+
+    ``keep`` (``{"names", "dtype_names", "shapes"}``, as the sent tensors are
+    described): checkpoint tensors this round does not send, which the server
+    keeps as it holds them (frozen base tensors a trainer sent in an earlier
+    round of the session, ``SyncConfig.send_frozen``). A round is then
+    complete when the sent and the kept tensors together are the checkpoint;
+    a server refuses one that keeps part of what it loads as one unit (a
+    kept ``k_proj`` beside a sent ``q_proj``, fused into one vLLM layer)
+    before any byte moves. Sent only when not empty, so a server older than
+    the key refuses such a round (naming it) instead of finding it incomplete.
     """
 
     names: list[str] = field(default_factory=list)
@@ -235,21 +245,23 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     session_id: str | None = None
     lora: dict[str, Any] | None = None
     staged: bool = False
+    keep: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(
-                f"names, dtype_names and shapes must have equal lengths, got "
-                f"{len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)}"
-            )
-        for i, name in enumerate(self.names):
-            if not isinstance(name, str):
-                raise ValueError(f"names[{i}] must be a tensor name (a string), got {name!r}")
-        check_names_unique(self.names, key="names")
-        self.dtypes = [dtype_from_name(n, key=f"dtype_names[{i}]") for i, n in enumerate(self.dtype_names)]
-        for i, shape in enumerate(self.shapes):
-            if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise ValueError(f"shapes[{i}] ({self.names[i]}) must be a list of non-negative ints, got {shape!r}")
+        self.dtypes = _described(self.names, self.dtype_names, self.shapes, key="")
+        self.kept_names: list[str] = []
+        self.kept_dtypes: list[torch.dtype] = []
+        self.kept_shapes: list[list[int]] = []
+        if self.keep is not None:
+            if not isinstance(self.keep, dict) or set(self.keep) != {"names", "dtype_names", "shapes"}:
+                raise ValueError('keep must be {"names": [...], "dtype_names": [...], "shapes": [...]}')
+            self.kept_names, self.kept_shapes = list(self.keep["names"]), list(self.keep["shapes"])
+            self.kept_dtypes = _described(self.kept_names, self.keep["dtype_names"], self.kept_shapes, key="keep.")
+            both = sorted(set(self.names) & set(self.kept_names))
+            if both:
+                raise ValueError(f"keep.names lists {both[0]!r}, which names sends: a tensor is sent or kept, not both")
+            if self.lora is not None:
+                raise ValueError("keep applies to model weights; a LoRA adapter round (lora) sends the adapter whole")
         if self.lora is not None:
             from wt_callbacks.lora.files import check_component
 
@@ -257,6 +269,28 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 raise ValueError("lora must be {\"name\": str, \"version\": str, \"config\": {...}}")
             check_component("lora.name", self.lora["name"])
             check_component("lora.version", self.lora["version"])
+
+
+def _described(names: Any, dtype_names: Any, shapes: Any, *, key: str) -> list[torch.dtype]:
+    """Check one description of tensors (``names``, ``dtype_names``,
+    ``shapes``; ``key`` the prefix of their keys in the update dict) and
+    return their dtypes."""
+    if not all(isinstance(v, (list, tuple)) for v in (names, dtype_names, shapes)):
+        raise ValueError(f"{key}names, {key}dtype_names and {key}shapes must be lists")
+    if not len(names) == len(dtype_names) == len(shapes):
+        raise ValueError(
+            f"{key}names, {key}dtype_names and {key}shapes must have equal lengths, got "
+            f"{len(names)}, {len(dtype_names)}, {len(shapes)}"
+        )
+    for i, name in enumerate(names):
+        if not isinstance(name, str):
+            raise ValueError(f"{key}names[{i}] must be a tensor name (a string), got {name!r}")
+    check_names_unique(names, key=f"{key}names")
+    dtypes = [dtype_from_name(n, key=f"{key}dtype_names[{i}]") for i, n in enumerate(dtype_names)]
+    for i, shape in enumerate(shapes):
+        if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"{key}shapes[{i}] ({names[i]}) must be a list of non-negative ints, got {shape!r}")
+    return dtypes
 
 
 def check_names_unique(names: Iterable[str], *, key: str) -> None:
@@ -274,18 +308,32 @@ def check_names_unique(names: Iterable[str], *, key: str) -> None:
             raise ValueError(f"{key} lists {name!r} twice (at {j} and {i}); a round sends each tensor once")
 
 
-def update_info_for(metas: Iterable[ParamMeta], *, session_id: str | None = None, staged: bool = False) -> dict[str, Any]:
-    """The JSON update dict describing ``metas``, for the session ``session_id``
-    (an engine's ``session_id``; ``None`` for a group formed without one);
-    ``staged`` asks for a staged round (``TorchDistWeightTransferUpdateInfo``)."""
+def _description(metas: Iterable[ParamMeta]) -> dict[str, Any]:
     metas = list(metas)
-    info: dict[str, Any] = {
+    return {
         "names": [m.name for m in metas],
         "dtype_names": [dtype_name(m.dtype) for m in metas],
         "shapes": [list(m.shape) for m in metas],
     }
+
+
+def update_info_for(
+    metas: Iterable[ParamMeta],
+    *,
+    session_id: str | None = None,
+    staged: bool = False,
+    kept: Iterable[ParamMeta] = (),
+) -> dict[str, Any]:
+    """The JSON update dict describing ``metas``, for the session ``session_id``
+    (an engine's ``session_id``; ``None`` for a group formed without one);
+    ``staged`` asks for a staged round, ``kept`` describes the tensors the
+    servers keep as they hold them (``TorchDistWeightTransferUpdateInfo``)."""
+    info = _description(metas)
     if session_id is not None:
         info["session_id"] = session_id
     if staged:
         info["staged"] = True
+    kept = list(kept)
+    if kept:
+        info["keep"] = _description(kept)
     return info

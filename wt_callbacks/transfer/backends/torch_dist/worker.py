@@ -240,10 +240,24 @@ class TorchDistWeightTransferEngine(
     def check_update(self, update_info: TorchDistWeightTransferUpdateInfo, target: Any) -> None:
         """Refuse (raise) an update of this session ``target`` cannot take,
         before anything is received: its ``validate_update(names, dtypes,
-        shapes)`` if it has one."""
+        shapes)`` if it has one. A round that keeps tensors (``keep``) goes
+        only to a target that says what it keeps: ``validate_update(...,
+        kept=(names, dtypes, shapes))`` where its ``keeps_tensors`` is true;
+        any other would find it incomplete, or apply it as if it were whole."""
         validate = getattr(target, "validate_update", None)
-        if callable(validate):
-            validate(update_info.names, update_info.dtypes, [tuple(s) for s in update_info.shapes])
+        shapes = [tuple(s) for s in update_info.shapes]
+        if not update_info.kept_names:
+            if callable(validate):
+                validate(update_info.names, update_info.dtypes, shapes)
+            return
+        if not getattr(target, "keeps_tensors", False) or not callable(validate):
+            raise ValueError(
+                f"this server's weight update target ({type(target).__name__}) cannot keep the "
+                f"{len(update_info.kept_names)} tensors the round leaves out (keep); the trainer must send every "
+                "tensor (send_frozen: every_round)"
+            )
+        kept = (update_info.kept_names, update_info.kept_dtypes, [tuple(s) for s in update_info.kept_shapes])
+        validate(update_info.names, update_info.dtypes, shapes, kept=kept)
 
     def log_receiving(self, update_info: TorchDistWeightTransferUpdateInfo) -> None:
         """Says that an accepted update begins to stream: a round whose
