@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from tests.support.lightning_app import run as lightning_run
-from tests.support.lora import ADAPTER, MERGED, base_model, peft_model, section, trl_run
+from tests.support.lora import ADAPTER, FAMILY, MERGED, base_model, peft_model, section, trl_run
 from wt_callbacks.checksums import module_checksums, tensor_sha256
-from wt_callbacks.demos import toy_task
+from wt_callbacks.demos import tiny_lms, toy_task
 from wt_callbacks.lora import files
 from wt_callbacks.lora.adapter import AdapterSource
 from wt_callbacks.receiver import Receiver
@@ -121,3 +121,58 @@ def test_accelerate(receiver, mode):
         assert_holds_adapter(receiver, trained, "acc")
     else:
         assert_holds_merged(receiver, trained)
+
+
+def test_merge_rounds_leave_the_frozen_tensors_the_servers_hold(tmp_path):
+    """``send_frozen: once``, the default for a merged PEFT model: after a
+    connection's first round, rounds leave out the frozen base tensors (the
+    tied embedding, the norms), fewer bytes for the same served model, each
+    round verified. A server that replaced the one holding them (another
+    process at the same address, with other weights) gets them again."""
+    from wt_callbacks.config import SyncConfig
+    from wt_callbacks.demos.multiprocess import free_port
+    from wt_callbacks.sync import WeightSync
+
+    model = peft_model(MERGED).train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tokenizer, rng = toy_task.build_tokenizer(), random.Random(0)
+    source = ModuleSource(model)
+    frozen = source.frozen_names()
+    assert {n for n in frozen if ".layers." not in n} == {"model.embed_tokens.weight", "model.norm.weight"}
+    kept_bytes = sum(m.nbytes for m in source.metadata() if m.name in frozen)
+
+    def train_step() -> None:
+        model(**toy_task.training_batch(tokenizer, rng, 8)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    port = free_port()
+    first = Receiver(base_model())
+    url = first.start(port=port)
+    sync = WeightSync(SyncConfig(**section(url, on_error="warn")))
+    try:
+        sync.setup(model, 0, 1)
+        sent = []
+        for step in range(3):
+            if step:
+                train_step()
+            sent.append(sync.sync(step).bytes)
+        assert sent[1] == sent[2] == sent[0] - kept_bytes, (sent, kept_bytes)
+        assert_holds_merged(first, model)
+        first.stop()
+        with Receiver(tiny_lms.TINY_LMS[FAMILY](seed=1).eval()) as second:
+            second.start(port=port)
+            assert sync.sync(3) is None  # the group with the first server is gone: a failed round, warned
+            assert sync.sync(4).bytes == sent[0]  # a new connection: everything, verified
+            assert_holds_merged(second, model)
+    finally:
+        sync.close()
+        first.stop()
+    every_round = WeightSync(SyncConfig(**section(url, send_frozen="every_round")))
+    with Receiver(base_model()) as third:
+        third.start(port=port)
+        try:
+            every_round.setup(model, 0, 1)
+            assert every_round.sync(0).bytes == every_round.sync(1).bytes == sent[0]
+        finally:
+            every_round.close()

@@ -181,6 +181,62 @@ def test_adapter_mode_sends_the_active_one_of_several_adapters():
         assert source.adapter_config()["r"] == rank
 
 
+# What a round may leave as the servers hold it (send_frozen: once)
+# --------------------------------------------------------------------------- #
+
+
+def _layer(names: frozenset[str], layer: str) -> set[str]:
+    """The kept names of decoder layer ``layer``, shortened to what follows it."""
+    return {n.removeprefix(layer) for n in names if n.startswith(layer)}
+
+
+FROZEN = {
+    # Standalone modules (embeddings, norms, the output head) are kept on their own.
+    "all-linear": ({"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}, {"input_layernorm.weight", "post_attention_layernorm.weight"}),
+    # k_proj and o_proj are frozen but share self_attn with a LoRA'd q_proj (one fused qkv_proj in vLLM); the MLP is whole.
+    "dora-modules-to-save": ({"model.embed_tokens.weight", "model.norm.weight"}, {"input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}),
+    # The router shares mlp with LoRA'd experts (one fused MoE layer); Qwen3's q_norm and k_norm stand alone.
+    "moe-experts": ({"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}, {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"}),
+    # bias="all" trains every bias: k_proj's keeps self_attn whole; Qwen2's MLP has none.
+    "bias-all": ({"model.embed_tokens.weight", "model.norm.weight"}, {"input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}),
+    "gpt2-conv1d": ({"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"}, {"ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"}),
+}
+
+
+@pytest.mark.parametrize("case", list(FROZEN))
+def test_frozen_tensors_are_kept_in_whole_serving_units(case):
+    model = peft_case(case)
+    source = ModuleSource(model)
+    frozen = source.frozen_names()
+    top, per_layer = FROZEN[case]
+    layer = "transformer.h.0." if case.startswith("gpt2") else "model.layers.0."
+    assert {n for n in frozen if ".layers." not in n and ".h." not in n} == top, case
+    assert _layer(frozen, layer) == per_layer, case
+    # Kept names leave the pass, and only them: what is sent is what a full pass sends of the rest.
+    full = dict(source)
+    source.keep(frozen)
+    try:
+        assert [m.name for m in source.kept_metadata()] == [n for n in full if n in frozen]
+        sent = list(source)
+        assert [n for n, _ in sent] == [m.name for m in source.metadata()] == [n for n in full if n not in frozen]
+        assert all(torch.equal(t, full[n]) for n, t in sent)
+    finally:
+        source.keep(())
+    assert [n for n, _ in source] == list(full)
+
+
+def test_a_frozen_tensor_that_trains_again_or_a_tied_output_head_follows_requires_grad():
+    model = peft_case("all-linear")
+    model.base_model.model.model.norm.weight.requires_grad_(True)  # unfrozen by the trainer's code
+    assert "model.norm.weight" not in ModuleSource(model).frozen_names()
+    # A model with no adapter frozen by hand: the same rule, on its own parameters.
+    plain = tiny_lms.TINY_LMS["llama_untied"](0)
+    for name, param in plain.named_parameters():
+        param.requires_grad_(not name.startswith("model.embed_tokens"))
+    assert ModuleSource(plain).frozen_names() == {"model.embed_tokens.weight"}
+
+
+# --------------------------------------------------------------------------- #
 # --------------------------------------------------------------------------- #
 # Sharded: two gloo ranks
 # --------------------------------------------------------------------------- #
@@ -191,13 +247,21 @@ SHARDED_CASES = ("all-linear", "dora-modules-to-save", "gpt2-conv1d", "moe-exper
 
 def assert_sends_like(sharded: torch.nn.Module, plain: torch.nn.Module, what: str, *, atol: float = 0.0) -> None:
     """The sharded PEFT model sends, merged and as an adapter, what the
-    unsharded one sends (rank 0 iterates; rank 1 only joins the gathers)."""
-    for build in (ModuleSource, AdapterSource):
+    unsharded one sends (rank 0 iterates; rank 1 only joins the gathers);
+    merged, it keeps the same frozen tensors, and a pass leaving them out
+    gathers the rest alike."""
+    for build, keep in ((ModuleSource, False), (ModuleSource, True), (AdapterSource, False)):
         for dtype in (None, torch.bfloat16):
             if build is AdapterSource and ("dora" in what or "gpt2" in what or "bias" in what):  # merge mode only
                 continue
             source = build(sharded, dtype=dtype)
             expected = build(plain, dtype=dtype)
+            if keep:
+                frozen = expected.frozen_names()
+                assert frozen and source.frozen_names() == frozen, what
+                source.keep(frozen)
+                expected.keep(frozen)
+                assert {m.name: m for m in source.kept_metadata()} == {m.name: m for m in expected.kept_metadata()}, what
             # FSDP1 sends in unit order.
             assert {m.name: m for m in source.metadata()} == {m.name: m for m in expected.metadata()}, what
             if dist.get_rank() != 0:

@@ -250,6 +250,18 @@ def test_lora_keys():
             SyncConfig(servers=[URL], **keys)
     with pytest.raises(ValueError, match=r"lora: adapter has the servers load each version over HTTP .* not ray_actors"):
         SyncConfig(ray_actors=["vllm-0"], lora="adapter", lora_name="policy")
+    # send_frozen: once is the default for a merged PEFT model, and where asked for, on torch_dist only.
+    assert SyncConfig(servers=[URL]).sends_frozen_once(peft_merge=True)
+    assert not SyncConfig(servers=[URL]).sends_frozen_once(peft_merge=False)
+    assert not SyncConfig(servers=[URL], send_frozen="every_round").sends_frozen_once(peft_merge=True)
+    assert SyncConfig(servers=[URL], send_frozen="once").sends_frozen_once(peft_merge=False)
+    for keys, message in (
+        ({"send_frozen": "always"}, r"send_frozen='always' is not one of \('once', 'every_round'\)"),
+        ({"send_frozen": "once", "lora": "adapter", "lora_name": "p"}, r"send_frozen: once applies to model weights; lora: adapter"),
+        ({"send_frozen": "once", "backend": "nccl"}, r"send_frozen: once needs backend: torch_dist, not 'nccl'.*set send_frozen: every_round"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            SyncConfig(servers=[URL], **keys)
     # A learning rate beside a section key is no typo of "lora": the container is refused as mixed.
     with pytest.raises(ValueError, match=r"^weight_sync: these hyperparameters have no 'weight_sync' key, and they mix"):
         SyncConfig.from_hparams({"lr": 1e-3, "dtype": "bfloat16"}, servers=[URL])

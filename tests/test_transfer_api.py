@@ -207,6 +207,18 @@ def test_worker_parse_errors_name_the_key():
         engine.parse_update_info({"names": ["a"], "dtype_names": ["float32"], "shapes": [64]})
     info = engine.parse_update_info({"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]]})
     assert isinstance(info, TorchDistWeightTransferUpdateInfo) and info.dtypes == [torch.bfloat16]
+    # Kept tensors are described as sent ones are, and are never sent too.
+    sent = {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]]}
+    info = engine.parse_update_info({**sent, "keep": {"names": ["b"], "dtype_names": ["bfloat16"], "shapes": [[4]]}})
+    assert (info.kept_names, info.kept_dtypes, info.kept_shapes) == (["b"], [torch.bfloat16], [[4]])
+    for keep, message in (
+        ({"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]]}, r"keep.names lists 'a', which names sends"),
+        ({"names": ["b", "b"], "dtype_names": ["float32"] * 2, "shapes": [[1]] * 2}, r"keep.names lists 'b' twice"),
+        ({"names": ["b"], "dtype_names": ["f32"], "shapes": [[1]]}, r"keep.dtype_names\[0\]='f32' is not a torch dtype name"),
+        ({"names": ["b"]}, r'keep must be \{"names": \[...\], "dtype_names"'),
+    ):
+        with pytest.raises(ValueError, match=message):
+            engine.parse_update_info({**sent, "keep": keep})
 
 
 def test_worker_engine_surface():

@@ -21,6 +21,7 @@ base back with their adapters disabled).
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import warnings
 from pathlib import Path
@@ -34,6 +35,7 @@ from tests.support.lightning_app import run as lightning_run
 from tests.support.lora import ADAPTER, FAMILY, MERGED, TOLERANCE, base_model, peft_model, sharded_rank, trained, trl_run
 from tests.support.lora import section as lora_section
 from tests.support.vllm import missing_vllm_internals, running_server
+from tests.test_vllm_e2e import trainer_engine
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos import tiny_lms, toy_task
@@ -42,7 +44,7 @@ from wt_callbacks.lora import files
 from wt_callbacks.lora.adapter import adapter_refusal
 from wt_callbacks.receiver import Receiver
 from wt_callbacks.sync import WeightSync
-from wt_callbacks.transfer import WeightTransferError
+from wt_callbacks.transfer import ModuleSource, WeightTransferError
 from wt_callbacks.verify import ProbeSet, served_logprob_diff
 
 peft = pytest.importorskip("peft")
@@ -242,3 +244,56 @@ def test_trl_merge(server, probes, tmp_path):
     diff = served(server, model, probes)
     assert diff <= TOLERANCE
     print(f"LORA merge TRL: {diff:.1e}")
+
+
+QV = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+"""PEFT's default targets for Llama: k_proj and o_proj stay frozen beside them, the MLP untouched."""
+
+
+def test_merge_rounds_leave_what_no_adapter_touches_and_a_split_layer_is_refused(server, probes):
+    """``send_frozen: once`` (the default for a merged PEFT model) into vLLM:
+    with LoRA on q_proj and v_proj, rounds after a connection's first leave
+    out the tied embedding, the norms and the whole MLP, inline and staged,
+    each verified within 1e-4 while training moves the adapters; k_proj and
+    o_proj are sent (vLLM fuses k_proj with q_proj into one qkv_proj). A
+    round keeping k_proj while it sends q_proj is refused before any byte
+    moves, naming both, and the server serves what it served."""
+    model = peft_model(QV).train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tokenizer, rng = toy_task.build_tokenizer(), random.Random(0)
+    source = ModuleSource(model)
+    frozen = source.frozen_names()
+    assert {n.removeprefix("model.layers.0.") for n in frozen if n.startswith("model.layers.0.")} == {
+        "input_layernorm.weight", "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    }  # fmt: skip
+    kept_bytes = sum(m.nbytes for m in source.metadata() if m.name in frozen)
+    rows = []
+    for commit in ("inline", "staged"):
+        sync = WeightSync(SyncConfig(**section(server, commit=commit)))
+        try:
+            sync.setup(model, 0, 1)
+            sent = []
+            for step in range(3):
+                if step:
+                    model(**toy_task.training_batch(tokenizer, rng, 8)).loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                result = sync.sync(step)
+                sent.append(result.bytes)
+                assert result.verify_max_logprob_diff <= TOLERANCE
+        finally:
+            sync.close()
+        assert sent[1] == sent[2] == sent[0] - kept_bytes, (commit, sent, kept_bytes)
+        rows.append(f"{commit} {sent[0] / 1e6:.2f} -> {sent[1] / 1e6:.2f} MB")
+    model.eval()
+    split = ModuleSource(model)
+    split.keep({"model.layers.0.self_attn.k_proj.weight"})
+    with pytest.raises(WeightTransferError) as refused:
+        with trainer_engine(server, split) as (engine, _):
+            engine.send_weights("split")
+    message = str(refused.value)
+    assert "keeps 'model.layers.0.self_attn.k_proj.weight' but sends 'model.layers.0.self_attn." in message, message
+    assert "Nothing was received; the server keeps the previous weights" in message, message
+    assert served(server, model, probes) <= TOLERANCE  # what it served before the refused round
+    print(f"LORA merge, send_frozen once (q_proj, v_proj): {'; '.join(rows)}; a split qkv_proj refused")

@@ -279,7 +279,9 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         metas = source_metadata(self.source)
         kept = self.source.kept_metadata()
         # Every rank checks the same metadata, so all raise before any gather.
-        check_names_unique((m.name for m in metas + kept), key="the weight source's metadata() and kept_metadata()")
+        check_names_unique((m.name for m in metas), key="the weight source's metadata()")
+        if kept:
+            check_names_unique((m.name for m in metas + kept), key="the weight source's metadata() with its kept_metadata()")
         # The packing casts whole tensors into the wire dtype as it copies
         # them; the ranks that do not send only run the gathers.
         items = _TimedIterator(self.source.iter_uncast() if self.is_sender else self.source.gather_only())
