@@ -229,6 +229,17 @@ def test_a_frozen_tensor_that_trains_again_or_a_tied_output_head_follows_require
     model = peft_case("all-linear")
     model.base_model.model.model.norm.weight.requires_grad_(True)  # unfrozen by the trainer's code
     assert "model.norm.weight" not in ModuleSource(model).frozen_names()
+    # merge_adapter (as TRL does around its own sync) changes the targeted bases in place: never kept.
+    before = ModuleSource(model).frozen_names()
+    model.merge_adapter()
+    try:
+        assert ModuleSource(model).frozen_names() == before
+    finally:
+        model.unmerge_adapter()
+    # A LayerNorm whose bias trains (bias="all" on GPT-2) goes whole: its frozen weight too.
+    gpt2 = peft_case("gpt2-conv1d")
+    gpt2.base_model.model.transformer.ln_f.bias.requires_grad_(True)
+    assert "transformer.ln_f.weight" not in ModuleSource(gpt2).frozen_names()
     # A model with no adapter frozen by hand: the same rule, on its own parameters.
     plain = tiny_lms.TINY_LMS["llama_untied"](0)
     for name, param in plain.named_parameters():

@@ -32,7 +32,9 @@ from tests.support.vllm import Deployment, checkpoint_model, deployment, push
 from tests.test_vllm_e2e import FP32_ATOL, RenamedSource, prompts, tokenizer, train  # noqa: F401
 from tests.test_vllm_faults import RECEIVING, perturb
 from wt_callbacks.checksums import checksum_mismatches, served_checksums
+from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos.vllm_server import max_logprob_diff
+from wt_callbacks.sync import WeightSync
 from wt_callbacks.transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
@@ -171,6 +173,39 @@ def test_a_trainer_killed_mid_stream_then_the_next_round_delivers(tp: Deployment
     perturb(new, 7)
     push(tp.server, new, "after-the-kill")
     assert max_logprob_diff(tp.server, new, prompts) <= FP32_ATOL
+
+
+def test_frozen_tensors_are_kept_on_both_workers(tp: Deployment, tokenizer, prompts) -> None:  # noqa: F811
+    """``send_frozen: once``, asked for on a plain model whose embedding, norms
+    and first attention block are frozen: after the first round those stay
+    as both workers hold them (layer 0's fused ``qkv_proj`` kept whole, each
+    worker its half), and the rest is exact on both; with everything frozen
+    a round sends nothing."""
+    model = checkpoint_model(tp.server)
+    frozen_prefixes = ("model.embed_tokens.", "model.layers.0.self_attn.")
+    for name, param in model.named_parameters():
+        param.requires_grad_(not (name.startswith(frozen_prefixes) or "norm" in name))
+    frozen = ModuleSource(model).frozen_names()
+    assert {n for n in frozen if n.startswith("model.layers.0.self_attn.")} == {
+        f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"
+    }
+    kept_bytes = sum(m.nbytes for m in ModuleSource(model).metadata() if m.name in frozen)
+    sync = WeightSync(SyncConfig(servers=[tp.server.url], api_key=tp.server.api_key, send_frozen="once", timeout_s=120))
+    try:
+        sync.setup(model, 0, 1)
+        first = sync.sync(0).bytes
+        train(model, tokenizer, steps=2, seed=4)
+        assert max_logprob_diff(tp.server, model, prompts) > 100 * FP32_ATOL
+        assert sync.sync(1).bytes == first - kept_bytes
+        assert max_logprob_diff(tp.server, model, prompts) <= FP32_ATOL
+        model.requires_grad_(False)
+        # Frozen since the last round: sent once more (they may have trained after it), then kept too.
+        assert sync.sync(2).bytes == first - kept_bytes and sync.sync(3).bytes == 0
+    finally:
+        sync.close()
+    assert max_logprob_diff(tp.server, model, prompts) <= FP32_ATOL
+    push(tp.server, checkpoint_model(tp.server))
+    assert checksum_mismatches(tp.loaded, served_checksums(tp.server.url)) == []
 
 
 def test_the_fix_finds_the_vllm_internals_it_needs(vllm_python: Path) -> None:

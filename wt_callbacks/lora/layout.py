@@ -96,6 +96,10 @@ class LoraLayout:
     base_model: Any
     problems: dict[str, list[str]] = field(default_factory=dict)
     """Per mode (``"merge"``, ``"adapter"``, ``"both"``), why it cannot be sent."""
+    targeted: set[str] = field(default_factory=set)
+    """The base tensors of every LoRA layer, whatever its adapters' state: what
+    an adapter may have changed (``merge_adapter`` merges in place, and an
+    unmerge does not give the bits back), so never a frozen tensor to keep."""
 
     @classmethod
     def of(cls, root: torch.nn.Module) -> LoraLayout | None:
@@ -192,6 +196,9 @@ class LoraLayout:
 
         base = layer.get_base_layer()
         base_path = path_of.get(id(base))
+        if base_path is not None:
+            attrs = (layer.parameter_name,) if isinstance(layer, ParamWrapper) else ("weight", "bias")
+            self.targeted.update(_join(base_path, a) for a in attrs)
         adapters = self.applied_adapters(layer)
         kind_name = type(layer).__name__
         quantized = _quantized(base)

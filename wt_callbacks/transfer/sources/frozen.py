@@ -1,7 +1,7 @@
 """Which sent tensors a round may leave as the servers hold them: frozen ones, in whole serving units.
 
-A PEFT model trains its adapters; the base weights no adapter is merged
-into never change. Once the servers hold them (a round of the connection
+A PEFT model trains its adapters; the base weights no adapter targets
+never change. Once the servers hold them (a round of the connection
 was acknowledged), re-sending them moves bytes for nothing: at a 0.5B
 shape with LoRA on every linear layer, the embedding alone is 28% of a
 merged round. ``keepable`` names the sent tensors a round may keep instead
@@ -9,7 +9,8 @@ merged round. ``keepable`` names the sent tensors a round may keep instead
 
 A tensor is kept only when every parameter it is made from does not train
 (``requires_grad`` is false), is not a buffer (buffers change without an
-optimizer), and has no adapter merged into it. That is not enough: vLLM
+optimizer), and is not the base of a LoRA layer (an adapter may be merged
+into it, in place or not). That is not enough: vLLM
 loads some checkpoint tensors into one layer together (``q_proj``,
 ``k_proj`` and ``v_proj`` into ``qkv_proj``; ``gate_proj`` and ``up_proj``
 into ``gate_up_proj``; every expert into one fused MoE layer), and a layer
@@ -20,7 +21,8 @@ frozen but must be sent. The trainer does not know the server's fusions, so
 it keeps what no fusion reaches:
 
 * a standalone module's tensors (embeddings, the output head, norms),
-  which every vLLM model loads into a layer of their own;
+  which every vLLM model loads into a layer of their own, when all of them
+  are keepable (a LayerNorm whose bias trains sends its weight too);
 * any other module's only when every such tensor of its *unit* is
   keepable: the unit is the module's parent (``self_attn``, ``mlp``),
   climbing over list indices (``mlp.experts.3`` -> ``mlp``), since fused
@@ -72,7 +74,7 @@ def keepable(
     root: torch.nn.Module,
     *,
     held: Mapping[str, bool],
-    merged: Iterable[str],
+    targeted: Iterable[str],
     groups: Iterable[ConversionGroup],
     module_base: Callable[[str], str | None],
 ) -> frozenset[str]:
@@ -82,7 +84,7 @@ def keepable(
         root: the sent module.
         held: every input name (checkpoint naming, a PEFT model's base
             names) -> whether it is a parameter that does not train.
-        merged: input names an adapter is merged into.
+        targeted: input names an adapter may have changed (LoRA layers' bases).
         groups: the checkpoint-format groups of the sent tensors.
         module_base: a module's path as the sent names give it (a PEFT
             model's base path), ``None`` for a module an adapter owns.
@@ -93,7 +95,7 @@ def keepable(
         if path is not None:
             modules[path] = module  # the innermost module at a path: PEFT's base_layer
     heads = _output_embeddings(root)
-    merged = set(merged)
+    targeted = set(targeted)
 
     def standalone(path: str) -> bool:
         module = modules.get(path)
@@ -101,16 +103,17 @@ def keepable(
             isinstance(module, torch.nn.Embedding) or "norm" in type(module).__name__.lower() or id(module) in heads
         )
 
-    frozen = {name: still and name not in merged and name.rpartition(".")[0] in modules for name, still in held.items()}
-    blocked = {
-        unit
-        for name, ok in frozen.items()
-        if not ok and not standalone(name.rpartition(".")[0])
-        for unit in _ancestors(name.rpartition(".")[0])
-    }
+    frozen = {name: still and name not in targeted and name.rpartition(".")[0] in modules for name, still in held.items()}
+    # A tensor that is not keepable blocks its own module, and every module
+    # above one that is not standalone.
+    blocked: set[str] = set()
+    for name, ok in frozen.items():
+        path = name.rpartition(".")[0]
+        if not ok:
+            blocked.update([path] if standalone(path) else _ancestors(path))
 
     def kept(name: str) -> bool:
         path = name.rpartition(".")[0]
-        return frozen.get(name, False) and (standalone(path) or _unit(path) not in blocked)
+        return frozen.get(name, False) and path not in blocked and (standalone(path) or _unit(path) not in blocked)
 
     return frozenset(o.name for g in groups if all(kept(i) for i in g.inputs) for o in g.outputs)

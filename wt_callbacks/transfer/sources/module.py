@@ -153,7 +153,9 @@ class ModuleSource(WeightSource):
             self.lora.check_merge()
         self._layout = CheckpointLayout(self._root, rename=None if self.lora is None else self.lora.module_base)
         self._keeping = _Keeping()
-        self._plan_cache: _Plan | None = None
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
+        """The plans of the last two keys: a round with kept tensors and one
+        without alternate (``keep``), each built once."""
         plan = self._plan()
         for key, patterns in (("include", self.include), ("exclude", self.exclude)):
             for pattern in patterns:
@@ -176,7 +178,7 @@ class ModuleSource(WeightSource):
             return self
         cast = copy.copy(self)
         cast._dtype = dtype
-        cast._plan_cache = None
+        cast._plans = {}
         return cast
 
     @property
@@ -200,7 +202,7 @@ class ModuleSource(WeightSource):
         return keepable(
             self._root,
             held={name: raw in frozen_held for raw, name in plan.names.items()},
-            merged={self.lora.base_name(n) for n in self.lora.merges} if self.lora is not None else (),
+            targeted={self.lora.base_name(n) for n in self.lora.targeted} if self.lora is not None else (),
             groups=plan.selected_groups,
             module_base=self.lora.module_base if self.lora is not None else (lambda path: path),
         )
@@ -281,10 +283,12 @@ class ModuleSource(WeightSource):
         held = self._gather.parameters() + [ParamMeta(n, b.dtype, tuple(b.shape)) for n, b in buffers.items()]
         metas_held = tuple(ParamMeta(m.name, self._wire(m.dtype), m.shape) for m in held)
         keeping = self._keeping.names
-        key = (metas_held, None if self.lora is None else self.lora.state(), keeping)
-        if self._plan_cache is not None and self._plan_cache.key == key:
-            return self._plan_cache
-        if self.lora is not None and self._plan_cache is not None:
+        # The scheme is part of the key: a new gatherer (FSDP2 keeps names and
+        # global shapes) needs its merges set by a plan of its own.
+        key = (held_by, metas_held, None if self.lora is None else self.lora.state(), keeping)
+        if key in self._plans:
+            return self._plans[key]
+        if self.lora is not None and self._plans and all(k[:3] != key[:3] for k in self._plans):
             # Another adapter active, or one merged in place: other merges.
             self.lora = LoraLayout.of(self._root)
             assert self.lora is not None
@@ -323,7 +327,7 @@ class ModuleSource(WeightSource):
             self._gather.merges = {
                 raw[n]: merge.renamed(raw) for n, merge in self.lora.merges.items() if self.lora.base_name(n) in needed
             }
-        self._plan_cache = _Plan(
+        plan = _Plan(
             key=key,
             gather_names=tuple(origin[m.name] for m in metas if m.name in needed and origin[m.name] not in buffers),
             buffer_names=tuple(origin[m.name] for m in metas if m.name in needed and origin[m.name] in buffers),
@@ -334,7 +338,10 @@ class ModuleSource(WeightSource):
             kept=selected & keeping,
             unselected=frozenset(outputs - selected),
         )
-        return self._plan_cache
+        self._plans = {k: p for k, p in self._plans.items() if k[:3] == key[:3]} | {key: plan}
+        if len(self._plans) > 2:
+            del self._plans[next(iter(self._plans))]
+        return plan
 
     def _convert(self, plan: _Plan, gathered: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Gathered in-memory tensors to the sent checkpoint tensors, a group

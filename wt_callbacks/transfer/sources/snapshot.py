@@ -118,7 +118,10 @@ class HostSnapshot(WeightSource):
         for m in metas:
             self._offsets.append(offset)
             offset += m.nbytes
-        if self._buffer.numel() != offset or self._buffer.is_pinned() != self.pin_memory:
+        # Rounds that keep frozen tensors are smaller than a connection's
+        # first: the largest one's buffer stays, rather than a new one (pinned,
+        # several GB) inside the training's stall whenever the size changes.
+        if self._buffer.numel() < offset or self._buffer.is_pinned() != self.pin_memory:
             self._buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=self.pin_memory)
         self._metas = []
 
