@@ -152,7 +152,7 @@ class SyncConfig:
         lora_name: with ``lora: adapter``, the model name requests give to be
             served the adapter (``"model": lora_name``).
         send_frozen: ``"once"``: tensors made only of parameters that do not
-            train (``requires_grad`` false, no adapter merged in) are sent in
+            train (``requires_grad`` false, not a LoRA layer's base) are sent in
             the first round of each connection; later rounds leave them as
             the servers hold them (``wt_callbacks.transfer.sources.frozen``
             says which, and why some frozen ones are still sent).
