@@ -194,8 +194,8 @@ class ModuleSource(WeightSource):
 
     def frozen_names(self) -> frozenset[str]:
         """The sent tensors a round may leave as the servers hold them, read
-        now: made only of parameters that do not train, with no adapter
-        merged in, in whole serving units (``sources.frozen``). The same on
+        now: made only of parameters that do not train, none a LoRA layer's
+        base, in whole serving units (``sources.frozen``). The same on
         every rank whose parameters train alike."""
         plan = self._plan()
         frozen_held = self._gather.frozen()
