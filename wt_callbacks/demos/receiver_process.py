@@ -73,7 +73,7 @@ def start_receiver(
     port: int = 0,
     extra_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
-    timeout_s: float = 60.0,
+    timeout_s: float = 120.0,
     wrapper: tuple[str, ...] = (),
 ) -> ReceiverProcess:
     """Start ``python -m wt_callbacks.receiver --module-factory factory`` and wait for its URL.
