@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 class _Plan:
     """What one round gathers and sends, derived from the parameters' metadata."""
 
-    key: tuple[Any, ...]
     gather_names: tuple[str, ...]
     """Parameter names as the module holds them, to gather, in stream order."""
     buffer_names: tuple[str, ...]
@@ -321,18 +320,22 @@ class ModuleSource(WeightSource):
         sent = selected - keeping
         used = tuple(g for g in groups if any(o.name in sent for o in g.outputs))
         needed = {i for g in used for i in g.inputs}
+        selected_groups = tuple(g for g in groups if any(o.name in selected for o in g.outputs))
         if self.lora is not None:
-            # The gatherer merges, in the names it holds, where the scheme keeps the rows.
+            # The gatherer merges, in the names it holds, where the scheme keeps
+            # the rows. Every selected weight's merge, kept or not (a gatherer
+            # looks up only the names it gathers), so that the plans cached for
+            # other keep sets find the gatherer's merges right too.
             raw = {checkpoint_name(m.name): m.name for m in held}
+            inputs = {i for g in selected_groups for i in g.inputs}
             self._gather.merges = {
-                raw[n]: merge.renamed(raw) for n, merge in self.lora.merges.items() if self.lora.base_name(n) in needed
+                raw[n]: merge.renamed(raw) for n, merge in self.lora.merges.items() if self.lora.base_name(n) in inputs
             }
         plan = _Plan(
-            key=key,
             gather_names=tuple(origin[m.name] for m in metas if m.name in needed and origin[m.name] not in buffers),
             buffer_names=tuple(origin[m.name] for m in metas if m.name in needed and origin[m.name] in buffers),
             groups=used,
-            selected_groups=tuple(g for g in groups if any(o.name in selected for o in g.outputs)),
+            selected_groups=selected_groups,
             names={raw: name for name, raw in origin.items()},
             sent=sent,
             kept=selected & keeping,
