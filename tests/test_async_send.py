@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,35 @@ def test_staged_commit_serves_while_the_round_streams_and_pauses_only_to_commit(
         assert seen == {"paused": [False], "completion": 200, "checksums": old}
         assert result is not None and 0 < result.generation_paused_seconds < result.seconds
         assert module_checksums(receiver.model) == module_checksums(trainer)
+
+
+def test_the_pause_for_a_commit_waits_until_the_servers_staged_the_round(monkeypatch):
+    """A server still copying the round into staging when the trainer sent
+    its last byte (here: its staging slowed down at the end) is paused for
+    the commit only once it holds all of it, not while it stages."""
+    from wt_callbacks.receiver.staging import StagedWeights
+
+    seen: dict = {}
+    staging = StagedWeights.load_weights
+
+    def slow_to_end(self, weights) -> None:
+        staging(self, weights)
+        time.sleep(0.5)
+        seen["staged"] = time.monotonic()
+
+    monkeypatch.setattr(StagedWeights, "load_weights", slow_to_end)
+    trainer = policy(1)
+    with Receiver(tiny_lm(0)) as receiver:
+        url = receiver.start()
+        client = FaultyClient(HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT_S))
+        client.strike_before("pause", lambda: seen.setdefault("paused", time.monotonic()))
+        ws = WeightSync(config(url, commit="staged"), client=client)
+        ws.setup(trainer)
+        try:
+            assert ws.sync(1) is not None
+        finally:
+            ws.close()
+    assert seen["paused"] >= seen["staged"]
 
 
 def test_a_failed_staging_never_touches_the_served_model(caplog):

@@ -31,11 +31,16 @@ from wt_callbacks.transfer.backends.torch_dist.session import check_peers, store
 from wt_callbacks.transfer.backends.torch_dist.shm_negotiation import join_ring, offer_ring
 from wt_callbacks.transfer.backends.torch_dist.shm_ring import ShmRing
 from wt_callbacks.transfer.backends.torch_dist.waits import trainer_store_call
-from wt_callbacks.transfer.base import WeightTransferError, in_daemon_thread
+from wt_callbacks.transfer.base import CLEANUP_TIMEOUT_S, WeightTransferError, in_daemon_thread
 
 logger = logging.getLogger(__name__)
 
 _TRAINER_LEFT_KEY = "trainer_left"
+_STAGED_KEY = "staged"
+"""Counts the staged updates the workers ended receiving (``signal_staged``)."""
+_STAGED_SIGNAL_KEY = "staged_signal"
+"""Counts the workers that signal it: a server older than the signal never does."""
+STAGED_POLL_S = 0.001
 WAIT_SLICE = datetime.timedelta(milliseconds=100)
 """How often a worker waiting for a gloo broadcast asks whether the trainer left."""
 
@@ -106,6 +111,11 @@ class TransferGroup:
         self._in_flight: deque[Any] = deque()
         self._store_server: dist.TCPStore | None = None
         self._left_asked: Future | None = None  # a worker's pending "did the trainer leave?"
+        self._staged_rounds = 0  # rank 0: staged rounds streamed in this group
+        self._signals: dist.Store | None = None
+        """A worker's own client of the store, for ``signal_staged``: the
+        group's may be in a question on another thread (``_trainer_left``),
+        and a client takes one call at a time."""
 
     @classmethod
     def connect(
@@ -171,7 +181,52 @@ class TransferGroup:
                 f"the {step} of the transfer group did not finish within timeout_s={timeout_s:g} "
                 f"(this is rank {rank}; did a rank die?): {e}"
             ) from e
-        return cls(prefix, pg, rank, world_size, device, shm, timeout_s=timeout_s)
+        group = cls(prefix, pg, rank, world_size, device, shm, timeout_s=timeout_s)
+        if rank != 0:
+            group._open_signals(master_address, store, session_id)
+        return group
+
+    def _open_signals(self, master_address: str, store: dist.Store, session_id: str | None) -> None:
+        """A worker: its client for ``signal_staged``, and its count in the
+        workers that signal. Best effort: without it the trainer does not
+        wait for this group's stagings, and pauses as soon as it sent."""
+        try:
+            client = open_store(master_address, store.port, self.world_size, is_master=False, timeout_s=self.timeout_s)
+            signals = dist.PrefixStore(store_prefix(session_id), client)
+            trainer_store_call(lambda: signals.add(_STAGED_SIGNAL_KEY, 1), "the trainer's store", timeout_s=self.timeout_s)
+            self._signals = signals
+        except Exception:  # noqa: BLE001 - an optimisation of the pause, never a failed join
+            logger.debug("torch_dist: no staging signal to the trainer", exc_info=True)
+
+    def signal_staged(self) -> None:
+        """A worker: a staged update of this group ended receiving (whole,
+        or failed: the commit then says which). Best effort, bounded."""
+        signals = self._signals
+        if signals is None:
+            return
+        try:
+            trainer_store_call(lambda: signals.add(_STAGED_KEY, 1), "the trainer's store", timeout_s=CLEANUP_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the trainer pauses at its bound instead
+            self._signals = None
+            logger.debug("torch_dist: could not signal the end of a staging", exc_info=True)
+
+    def wait_staged(self, *, within_s: float) -> bool | None:
+        """Rank 0, a staged round streamed: wait until every worker ended
+        receiving it (at most ``within_s``: ``False``). ``None`` when some
+        worker does not signal (a server older than the signal). A worker
+        lags the trainer by what its receive buffers hold (on this machine
+        0.05-0.09 s for 74M): pausing generation for the commit before it
+        ended would stop it for that too."""
+        assert self.store is not None
+        self._staged_rounds += 1
+        if int(self.store.add(_STAGED_SIGNAL_KEY, 0)) < self.world_size - 1:
+            return None
+        deadline = time.monotonic() + within_s
+        while int(self.store.add(_STAGED_KEY, 0)) < self._staged_rounds * (self.world_size - 1):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(STAGED_POLL_S)
+        return True
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         if self.shm is not None:

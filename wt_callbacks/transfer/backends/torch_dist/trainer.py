@@ -323,6 +323,9 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
             server_call = in_daemon_thread(lambda: self.client.update_weights(update_info), "wt-update")
             sent = self._broadcast(checked_stream(items, metas), metas, server_call)
             if commit_gate is not None:
+                # Generation pauses for the commit once every worker holds the whole round.
+                if self.group.wait_staged(within_s=self.config.timeout_s) is False:
+                    logger.warning("torch_dist: the servers did not end staging the round within timeout_s; pausing anyway")
                 commit_gate()
         except BaseException:
             self._abandon_round(server_call)

@@ -210,7 +210,13 @@ class TorchDistWeightTransferEngine(
         self.accept_update(update_info, self.model)
         model, group, info = self.model if into is None else into, self.group, self.init_info
         assert group is not None and info is not None
-        receiving = in_daemon_thread(lambda: self._stream_into(model, group, info, update_info), "wt-staging")
+        def stage() -> None:
+            try:
+                self._stream_into(model, group, info, update_info)
+            finally:
+                group.signal_staged()  # the trainer pauses generation once every worker ended
+
+        receiving = in_daemon_thread(stage, "wt-staging")
         self._staging = _Staging(group, receiving)
 
     def finish_staging(self) -> bool:
