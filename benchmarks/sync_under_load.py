@@ -65,7 +65,7 @@ from harness import CpuLoadMeter, ProcessStats, server_pids
 from vllm_push_vs_reload import SIZES, build_model_dir
 
 PROMPT = [1, 5, 9, 13, 2, 7, 7, 3]
-COMMITS = ("inline", "staged")
+COMMITS = ("inline", "staged", "prepared")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -260,8 +260,9 @@ def main() -> None:
         "server_rss_growth_over_model_bytes": (rss_peak - rss_before) / model_bytes if pids else None,
         "other_cores": load.other_cores, "machine": platform.platform(),
     }  # fmt: skip
-    if "inline" in modes and "staged" in modes and modes["inline"]["downtime_s_median"]:
-        result["ratio_downtime_staged_over_inline"] = modes["staged"]["downtime_s_median"] / modes["inline"]["downtime_s_median"]
+    for commit in ("staged", "prepared"):
+        if "inline" in modes and commit in modes and modes["inline"]["downtime_s_median"] and modes[commit]["downtime_s_median"]:
+            result[f"ratio_downtime_{commit}_over_inline"] = modes[commit]["downtime_s_median"] / modes["inline"]["downtime_s_median"]
     print(f"{args.target} {result['size']}: {args.clients} clients, {args.seconds:g} s, a sync every {args.sync_every:g} s "
           f"({failed_rounds} rounds failed); other processes used {load.other_cores:.2f} cores")  # fmt: skip
     print(f"{'commit':<8} {'rounds':>6} {'round s':>8} {'paused s':>8} {'downtime s':>10} "
@@ -277,8 +278,9 @@ def main() -> None:
             for error in s["errors"]:
                 print(f"  {error}")
         print(f"{'':<8} p99 straddled / clear: {_f(m['ratio_p99_straddled_over_clear'], 5, 2)}")
-    if "ratio_downtime_staged_over_inline" in result:
-        print(f"downtime per sync, staged / inline: {result['ratio_downtime_staged_over_inline']:.2f}")
+    for commit in ("staged", "prepared"):
+        if f"ratio_downtime_{commit}_over_inline" in result:
+            print(f"downtime per sync, {commit} / inline: {result[f'ratio_downtime_{commit}_over_inline']:.2f}")
     if result["server_rss_growth_over_model_bytes"] is not None:
         print(f"server RSS growth: {(rss_peak - rss_before) / 1e6:.0f} MB = "
               f"{result['server_rss_growth_over_model_bytes']:.2f} x the model's {model_bytes / 1e6:.0f} MB")  # fmt: skip

@@ -94,6 +94,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     from wt_callbacks.integrations.vllm_layerwise import failed_load_warnings_quieted, processing_deferred
+    from wt_callbacks.integrations.vllm_prepared import PreparedRound, unpreparable
     from wt_callbacks.integrations.vllm_reload import ReloadGuard
     from wt_callbacks.transfer.backends.torch_dist import TorchDistWeightTransferEngine
     from wt_callbacks.transfer.backends.torch_dist.worker import StagedTensors
@@ -138,7 +139,11 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
         what an update does (layerwise reload, the model's ``load_weights``,
         every layer processed once all of it is loaded, the checks at
         finish). A staging that failed, or whose trainer left the group
-        before this finish, is discarded and the finish raises.
+        before this finish, is discarded and the finish raises. A prepared
+        update (``commit: prepared``) is staged into shadows of the layers it
+        loads and processed there while vLLM serves (``vllm_prepared``): its
+        finish only copies them in. A round with a layer that cannot be
+        prepared is staged as above, and the worker logs why.
         """
 
         def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
@@ -150,7 +155,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             self._reload_begun = False
             self._polls = vllm_cpu_tuning.WorkerPolls()
             self._applied_s = 0.0
-            self._staged: StagedTensors | None = None
+            self._staged: StagedTensors | PreparedRound | None = None
             self._inline_session = False  # the session's last update was inline (see start_weight_update)
 
         def start_weight_update(self) -> None:
@@ -184,7 +189,10 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             staged, self._staged = self._staged, None
             if staged is not None:
                 self.finish_staging()  # raises with the served model untouched
-                self._commit(staged)
+                if isinstance(staged, PreparedRound):
+                    self._commit_prepared(staged)
+                else:
+                    self._commit(staged)
             if not self._guard.round_open:
                 # No update arrived (the weights were never touched), or the
                 # clean-up finish a trainer sends after a failed round: vLLM
@@ -217,11 +225,16 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 super().update_weights(typed)
                 return
             if typed.staged:
-                staged = StagedTensors()
+                targets: list[StagedTensors | PreparedRound] = []
+
+                def target() -> StagedTensors | PreparedRound:  # once the round's trace is known
+                    targets.append(self._prepared_round() if typed.prepared else StagedTensors())
+                    return targets[0]
+
                 self._inline_session = False
                 self._polls.exit()  # the engine steps while the round stages: vLLM's own waiting
-                self.stage_weights(typed, into=staged)
-                self._staged = staged
+                self.stage_weights(typed, into=target)
+                self._staged = targets[0]
                 return
             self._inline_session = True
             with self._restored_on_failure("round"):
@@ -248,7 +261,10 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 )  # fmt: skip
                 return
             if update_info.staged:
-                logger.info("wt_callbacks update_weights: staging %d tensors while the server generates", len(update_info.names))
+                logger.info(
+                    "wt_callbacks update_weights: staging %d tensors while the server generates%s", len(update_info.names),
+                    ", processed into shadow layers before the pause" if update_info.prepared else "",
+                )  # fmt: skip
                 return
             logger.info(
                 "wt_callbacks update_weights: receiving %d tensors, layers applied %s",
@@ -291,6 +307,41 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 "server generated; committed in %.3f s (%.3f s of it vLLM's processing)",
                 len(staged.tensors), (received.bytes if received else 0) / 1e6, received.seconds if received else 0.0,
                 time.perf_counter() - started, self._applied_s,
+            )  # fmt: skip
+
+        def _prepared_round(self) -> StagedTensors | PreparedRound:
+            """Where an accepted ``commit: prepared`` round stages: shadows of
+            the layers its trace loads, or, when one of them (or a layer tied
+            to one) cannot be prepared, plain staging."""
+            names = self._guard.loaded_layers
+            reason = None if names is not None else (
+                "its load could not be traced for sure (the served checkpoint is not local safetensors, or a "
+                "loader reads values)"
+            )  # fmt: skip
+            modules = dict(self.model.named_modules())
+            layers = {name: modules[name] for name in sorted(names or ()) if name in modules}
+            tied = [m for m in self._guard.tied.groups if any(name in layers for name, _, _ in m)]
+            for name, layer in [*layers.items(), *((n, layer) for m in tied for n, layer, _ in m)]:
+                why = None if reason else unpreparable(layer)
+                if why is not None:
+                    reason = f"{name}: {why}"
+                    break
+            if reason is not None:
+                logger.warning("wt_callbacks update_weights: this round is staged, not prepared: %s", reason)
+                return StagedTensors()
+            return PreparedRound(self.model, layers, tied)
+
+        def _commit_prepared(self, prepared: PreparedRound) -> None:
+            """Copy a prepared round into the served model; a shadow that does
+            not fit raises before anything is copied."""
+            started = time.perf_counter()
+            copied = prepared.commit()
+            received = self.last_receive
+            logger.info(
+                "wt_callbacks finish_weight_update: %d prepared tensors, %.1f MB received in %.3f s and processed "
+                "in %.3f s while the server generated; committed in %.3f s (%.1f MB copied)",
+                prepared.tensors, (received.bytes if received else 0) / 1e6, received.seconds if received else 0.0,
+                prepared.processing_s, time.perf_counter() - started, copied / 1e6,
             )  # fmt: skip
 
         @contextlib.contextmanager

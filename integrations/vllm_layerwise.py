@@ -29,14 +29,35 @@ from wt_callbacks.integrations.vllm_internals import missing_names
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _META = "vllm.model_executor.model_loader.reload.meta"
 REQUIRED_INTERNALS = {
-    _LAYERWISE: ("_layerwise_process", "get_numel_loaded", "get_layerwise_info", "_place_kernel_tensors", "LOADING_LAYERS"),
-    _META: ("SKIP_TENSORS", "SKIP_LOAD_TENSORS", "to_meta_tensor"),
+    _LAYERWISE: (
+        "_layerwise_process", "get_numel_loaded", "get_layerwise_info", "_place_kernel_tensors", "LOADING_LAYERS",
+        "_get_original_loader",
+    ),  # fmt: skip
+    _META: ("SKIP_TENSORS", "SKIP_LOAD_TENSORS", "SKIP_MODULES", "to_meta_tensor", "materialize_meta_tensor"),
+    "vllm.model_executor.model_loader.reload.sanitize": ("layer_ref_sentinel",),
 }
 
 
 def missing_reload_internals() -> list[str]:
     """The vLLM internals this module needs that the installed vLLM lacks (empty: all there)."""
     return missing_names(REQUIRED_INTERNALS)
+
+
+def layerwise_info(layer: torch.nn.Module) -> Any:
+    """vLLM's reload record of ``layer``: its model-format metadata
+    (``restore_metadata``), recorded when the model was loaded, and the
+    state of a reload under way."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    return layerwise.get_layerwise_info(layer)
+
+
+def layerwise_loader(tensor: torch.Tensor) -> Any:
+    """The weight loader of ``tensor`` without layerwise reload's wrappers
+    (``default_weight_loader`` where it declares none)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    return layerwise._get_original_loader(tensor)
 
 
 @contextmanager

@@ -122,9 +122,14 @@ class ReloadGuard:
         self.coverage = Coverage(model, metas) if metas else None
         self.round_open = False
         self._live: LiveParameters | None = None
-        self._accepted: dict[tuple[Any, ...], frozenset[str]] = {}
+        self._accepted: dict[tuple[Any, ...], tuple[frozenset[str], frozenset[str] | None]] = {}
         self._kept_layers: frozenset[str] = frozenset()
         """The served layers the open round keeps whole, by name."""
+        self.loaded_layers: frozenset[str] | None = None
+        """The served layers the last accepted round loads, by name; ``None``
+        where its trace could not tell for sure (no local safetensors
+        checkpoint to call a round complete against, or a loader that reads
+        values)."""
         logger.info(
             "torch_dist engine: tied parameters %s, %d MoE layers rebuilt per round on CPU, completeness "
             "%s", self.tied.describe(), len(self.moe.layers),
@@ -157,24 +162,29 @@ class ReloadGuard:
         key = (tuple(metas), tuple(kept_metas))
         if key not in self._accepted:
             with reload_undone(self.model) if serving else contextlib.nullcontext():
-                reason, kept_layers = self._refusal(metas, kept_metas)
+                reason, layers = self._refusal(metas, kept_metas)
             if reason is not None:
                 return reason
-            self._accepted[key] = kept_layers
-        self._kept_layers = self._accepted[key]
+            self._accepted[key] = layers
+        self._kept_layers, self.loaded_layers = self._accepted[key]
         return None
 
-    def _refusal(self, metas: list[Meta], kept: list[Meta]) -> tuple[str | None, frozenset[str]]:
-        """The refusal, and the served layers the round keeps whole."""
+    def _refusal(self, metas: list[Meta], kept: list[Meta]) -> tuple[str | None, tuple[frozenset[str], frozenset[str] | None]]:
+        """The refusal, the served layers the round keeps whole, and those it
+        loads (``None`` unless the trace of a complete round says for sure)."""
         trace = trace_load(self.model, metas + kept)
         if kept and trace.error:
             reason = (
                 f"the round keeps {len(kept)} tensors, and its load cannot be traced to check which layers they "
                 f"are part of ({trace.error}): send every tensor (send_frozen: every_round)"
             )
-            return reason, frozenset()
+            return reason, (frozenset(), None)
         kept_layers, reason = self._kept_layers_of(trace, [n for n, _, _ in metas], [n for n, _, _ in kept])
-        return reason or self._traced_refusal(trace, metas + kept), kept_layers
+        reason = reason or self._traced_refusal(trace, metas + kept)
+        loaded = None
+        if not trace.error and self.coverage is not None:
+            loaded = frozenset(t[0] for n, _, _ in metas for t in trace.targets.get(n, ()))
+        return reason, (kept_layers, loaded)
 
     @staticmethod
     def _kept_layers_of(trace: Any, sent: list[str], kept: list[str]) -> tuple[frozenset[str], str | None]:

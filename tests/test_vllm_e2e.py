@@ -307,8 +307,9 @@ def test_send_async_serves_the_snapshot_step_while_training_runs_on(
         ws.close()
 
 
+@pytest.mark.parametrize("commit", ["staged", "prepared"])
 def test_staged_commit_serves_the_old_weights_until_it_commits_and_through_failed_stagings(
-    server: VLLMServer, trainer_model, tokenizer, prompts
+    server: VLLMServer, trainer_model, tokenizer, prompts, commit
 ) -> None:
     """``commit: staged``: once the round is staged and before its pause, vLLM
     is not paused and completes requests from the old weights. A staging cut
@@ -316,8 +317,9 @@ def test_staged_commit_serves_the_old_weights_until_it_commits_and_through_faile
     every byte arrived (the trainer leaves the group, then sends its clean-up
     finish), never touch the served model; the next round delivers."""
     client = held_client(server)
-    ws = WeightSync(sync_config(server, commit="staged", on_error="warn"), client=client)
+    ws = WeightSync(sync_config(server, commit=commit, on_error="warn"), client=client)
     ws.setup(trainer_model)
+    log_from = len(server.log)
     try:
         assert ws.sync(0) is not None
         old = copy.deepcopy(trainer_model)
@@ -355,6 +357,9 @@ def test_staged_commit_serves_the_old_weights_until_it_commits_and_through_faile
 
         assert ws.sync(4) is not None
         assert max_logprob_diff(server, trainer_model, prompts) <= FP32_ATOL
+        log = server.log[log_from:]
+        assert "staged, not prepared" not in log
+        assert (log.count("prepared tensors") >= 3) == (commit == "prepared"), log[-3000:]
     finally:
         ws.close()
 

@@ -50,7 +50,7 @@ TRIGGER_KEYS = ("every_n_train_steps", "every_n_epochs", "train_time_interval")
 EXCLUSIVE_GROUPS = (TRIGGER_KEYS, ("servers", "ray_actors"))
 """Keys of which one is given; an override of one replaces the section's choice."""
 PAUSE_MODES = (*SERVER_PAUSE_MODES, "none")
-COMMIT_MODES = ("inline", "staged")
+COMMIT_MODES = ("inline", "staged", "prepared")
 SEND_MODES = ("blocking", "async")
 ASYNC_OVERFLOW_MODES = ("wait", "skip")
 ON_ERROR_MODES = ("raise", "warn")
@@ -108,7 +108,14 @@ class SyncConfig:
             byte and apply the round as it arrives; ``"staged"``: they receive
             the whole round into staging while they keep generating on the
             old weights, and pause only for the commit at finish (a staging
-            that fails never touches the served model). ``torch_dist`` only.
+            that fails never touches the served model); ``"prepared"``: as
+            staged, and vLLM servers also run their loaders and post-load
+            processing (the CPU kernels' repack) into a second copy of the
+            layers the round loads before the pause, so the commit only
+            copies it in (costs that copy's memory on each server; a round
+            loading a layer it cannot prepare, such as fused MoE or
+            quantized ones, is staged instead, and the server logs why).
+            ``torch_dist`` only.
         send: ``"blocking"``: every trainer rank waits for the whole round;
             ``"async"``: the ranks wait only while the sent tensors are
             copied into a host snapshot (the gathers run in lockstep as

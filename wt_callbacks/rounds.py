@@ -136,16 +136,16 @@ class RoundRunner:
         """Connect if the engine was dropped; pause generation unless the round is staged."""
         if self.engine is None:
             self._connect()
-        if self.config.commit != "staged":
+        if self.config.commit == "inline":
             self._pause()
 
     def _send(self, version: str) -> None:
         """Every rank: the engine's round, then (rank 0) generation resumed.
-        Under ``commit: staged`` generation is paused only once the servers
-        staged the whole round, right before its commit."""
+        Under ``commit: staged`` (and ``prepared``) generation is paused only
+        once the servers staged the whole round, right before its commit."""
         assert self.engine is not None
-        if self.config.commit == "staged" and self.rank == 0:
-            self.engine.send_weights(version, commit_gate=self._pause)
+        if self.config.commit != "inline" and self.rank == 0:
+            self.engine.send_weights(version, commit_gate=self._pause, prepared=self.config.commit == "prepared")
         else:
             self.engine.send_weights(version)
         self._resume()  # before the agreement: generation restarts while the ranks agree

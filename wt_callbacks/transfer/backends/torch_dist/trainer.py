@@ -258,7 +258,11 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         )
 
     def send_weights(
-        self, weight_version: str | None = None, *, commit_gate: Callable[[], None] | None = None
+        self,
+        weight_version: str | None = None,
+        *,
+        commit_gate: Callable[[], None] | None = None,
+        prepared: bool = False,
     ) -> None:
         """One round (see the class docstring); every rank calls it.
 
@@ -269,6 +273,9 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         that finish (the driver pauses generation there). If the gate or
         anything before the finish fails, the sender leaves the group before
         its clean-up finish, and the servers discard the staged round.
+        ``prepared`` (with a gate, ``commit: prepared``): the servers also
+        process the staged round into the form they serve before the gate,
+        so the commit after it only copies.
         """
         if self._failure is not None:
             raise WeightTransferError(
@@ -288,7 +295,7 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         sent = 0
         try:
             if self.is_sender:
-                sent = self._send_round(items, metas, kept, weight_version, commit_gate)
+                sent = self._send_round(items, metas, kept, weight_version, commit_gate, prepared)
             else:
                 for _ in items:
                     pass
@@ -311,6 +318,7 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         kept: list[ParamMeta],
         weight_version: str | None,
         commit_gate: Callable[[], None] | None,
+        prepared: bool,
     ) -> int:
         if self.group is None:
             raise WeightTransferError("the engine has no transfer group: it was shut down; create a new one")
@@ -318,8 +326,9 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         try:
             self._start_update()
             update_info = update_info_for(
-                metas, session_id=self.session_id, staged=commit_gate is not None, kept=kept
-            )
+                metas, session_id=self.session_id, staged=commit_gate is not None,
+                prepared=prepared and commit_gate is not None, kept=kept,
+            )  # fmt: skip
             server_call = in_daemon_thread(lambda: self.client.update_weights(update_info), "wt-update")
             sent = self._broadcast(checked_stream(items, metas), metas, server_call)
             if commit_gate is not None:

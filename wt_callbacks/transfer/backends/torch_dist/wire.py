@@ -228,6 +228,12 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     older than it refuses a staged round (naming the key) instead of taking
     it as a plain one.
 
+    ``prepared`` (``commit: prepared``, with ``staged``): the worker also
+    brings the round into the form it serves (its loaders and its post-load
+    processing, into a second copy of the layers the round loads) before
+    the trainer pauses it, so the commit only copies that in. Sent only when
+    true, so a server older than the key refuses such a round, naming it.
+
     ``keep`` (``{"names", "dtype_names", "shapes"}``, as the sent tensors are
     described): checkpoint tensors this round does not send, which the server
     keeps as it holds them (frozen base tensors a trainer sent in an earlier
@@ -245,10 +251,13 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     session_id: str | None = None
     lora: dict[str, Any] | None = None
     staged: bool = False
+    prepared: bool = False
     keep: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.dtypes = _described(self.names, self.dtype_names, self.shapes, key="")
+        if self.prepared and not self.staged:
+            raise ValueError("prepared: true needs staged: true (a prepared round is a staged one, processed before its commit)")
         self.kept_names: list[str] = []
         self.kept_dtypes: list[torch.dtype] = []
         self.kept_shapes: list[list[int]] = []
@@ -322,17 +331,21 @@ def update_info_for(
     *,
     session_id: str | None = None,
     staged: bool = False,
+    prepared: bool = False,
     kept: Iterable[ParamMeta] = (),
 ) -> dict[str, Any]:
     """The JSON update dict describing ``metas``, for the session ``session_id``
     (an engine's ``session_id``; ``None`` for a group formed without one);
-    ``staged`` asks for a staged round, ``kept`` describes the tensors the
+    ``staged`` asks for a staged round (``prepared``: one the servers
+    also process before the commit), ``kept`` describes the tensors the
     servers keep as they hold them (``TorchDistWeightTransferUpdateInfo``)."""
     info = _description(metas)
     if session_id is not None:
         info["session_id"] = session_id
     if staged:
         info["staged"] = True
+    if prepared:
+        info["prepared"] = True
     kept = list(kept)
     if kept:
         info["keep"] = _description(kept)

