@@ -63,7 +63,7 @@ def bench_cell(model: torch.nn.Module, model_dir: Path, python: Path, workdir: P
     """One fresh server, ``rounds`` pushes with ``config``: the worker's peak growth and the push seconds."""
     label = "-".join(f"{k}={v}" for k, v in config.items()) + f"-{commit}"
     # Staged: nothing to pause here (the server is idle), the gate only marks the round staged.
-    staged = {"commit_gate": lambda: None} if commit == "staged" else {}
+    staged = {"commit_gate": lambda: None, "prepared": commit == "prepared"} if commit != "inline" else {}
     server = start_vllm_server(python, model_dir, workdir / f"vllm-{label}.log", timeout_s=timeout_s)
     try:
         worker = max(server_pids(server), key=lambda pid: _status_kib(pid, "VmRSS"))
@@ -117,7 +117,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="bound in seconds on startup and each call")
     parser.add_argument("--packed", choices=CHOICES, default="both", help="packed, unpacked or both")
     parser.add_argument("--all-or-nothing", choices=CHOICES, default="both", help="all or nothing, layerwise or both")
-    parser.add_argument("--commit", choices=("inline", "staged", "both"), default="inline", help="how the rounds commit")
+    parser.add_argument("--commit", choices=("inline", "staged", "prepared", "all"), default="inline", help="how the rounds commit")
     parser.add_argument("--out", type=Path, help="JSON output path")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -135,7 +135,7 @@ def main() -> int:
                        args.timeout, commit)  # fmt: skip
             for packed in CHOICES[args.packed]
             for whole in CHOICES[args.all_or_nothing]
-            for commit in (("inline", "staged") if args.commit == "both" else (args.commit,))
+            for commit in (("inline", "staged", "prepared") if args.commit == "all" else (args.commit,))
         ]  # fmt: skip
     report = {
         "benchmark": "vllm_update_memory",

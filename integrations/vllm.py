@@ -329,7 +329,8 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             if reason is not None:
                 logger.warning("wt_callbacks update_weights: this round is staged, not prepared: %s", reason)
                 return StagedTensors()
-            return PreparedRound(self.model, layers, tied)
+            assert self._guard.coverage is not None  # loaded_layers are known only against one
+            return PreparedRound(self.model, layers, tied, self._guard.coverage.counts)
 
         def _commit_prepared(self, prepared: PreparedRound) -> None:
             """Copy a prepared round into the served model; a shadow that does
@@ -338,10 +339,10 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             copied = prepared.commit()
             received = self.last_receive
             logger.info(
-                "wt_callbacks finish_weight_update: %d prepared tensors, %.1f MB received in %.3f s and processed "
+                "wt_callbacks finish_weight_update: %d prepared tensors, %.1f MB received, loaded and processed "
                 "in %.3f s while the server generated; committed in %.3f s (%.1f MB copied)",
                 prepared.tensors, (received.bytes if received else 0) / 1e6, received.seconds if received else 0.0,
-                prepared.processing_s, time.perf_counter() - started, copied / 1e6,
+                time.perf_counter() - started, copied / 1e6,
             )  # fmt: skip
 
         @contextlib.contextmanager

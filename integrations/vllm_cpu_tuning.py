@@ -55,7 +55,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 EXECUTOR_MODULE = "vllm.v1.executor.multiproc_executor"
 POLLING = "poll instead of spinning while the workers run update_weights"
 WORKER_POLLING = "the worker polls instead of spinning between the calls of an update session"
-KEEP_MEMORY = "keep freed host memory in the heap (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=-1)"
+KEEP_MEMORY = "keep freed host memory in the heap (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=-1, M_ARENA_MAX=1)"
 
 _reported: set[str] = set()
 
@@ -225,15 +225,24 @@ class WorkerPolls:
 
 def keep_freed_host_memory(device: Any) -> None:
     """Keep freed memory in this process's heap instead of returning it to the OS
-    (a worker whose weights live on ``device``: host memory only)."""
+    (a worker whose weights live on ``device``: host memory only).
+
+    Threads created from now on (the staging thread of each ``commit:
+    staged``/``prepared`` round) share the arenas that exist instead of
+    getting one of their own: a prepared round allocates the layers' new
+    kernels on that thread, and freed memory a heap keeps serves only that
+    heap, so the previous round's kernels, freed at the commit, would never
+    be reused and each thread's arena would grow by a model (measured at
+    296M fp32: the worker's peak growth 3.13x the weights with arenas per
+    thread, 2.05x shared)."""
     if device.type != "cpu":
         _report_once(KEEP_MEMORY, "this vLLM worker", f"not applied: the weights live on {device}, not in host memory")
         return
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    m_trim_threshold, m_mmap_max = -1, -4
+    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
     if mallopt is None:
         outcome = "not applied: the C library has no mallopt (not glibc)"
-    elif not all([mallopt(m_mmap_max, 0), mallopt(m_trim_threshold, -1)]):
+    elif not all([mallopt(m_mmap_max, 0), mallopt(m_trim_threshold, -1), mallopt(m_arena_max, 1)]):
         outcome = "not applied: mallopt refused"
     else:
         _report_once(KEEP_MEMORY, "this vLLM worker", "applied")

@@ -60,6 +60,17 @@ def layerwise_loader(tensor: torch.Tensor) -> Any:
     return layerwise._get_original_loader(tensor)
 
 
+def counted_load(loader: Any, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+    """``loader(*args, **kwargs)``, and how many elements it loaded in vLLM's
+    count (the elements its ``copy_`` calls wrote), which is what a layer's
+    completeness is judged by."""
+    import inspect
+
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    return layerwise.get_numel_loaded(loader, inspect.signature(loader).bind(*args, **kwargs))
+
+
 @contextmanager
 def layerwise_replaced(**functions: Any) -> Iterator[None]:
     """vLLM's layerwise reload module with ``functions`` in place of its own of

@@ -47,14 +47,13 @@ the server's cores.
 from __future__ import annotations
 
 import functools
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
 
 import torch
 
-from wt_callbacks.integrations.vllm_layerwise import layerwise_info, layerwise_loader
+from wt_callbacks.integrations.vllm_layerwise import counted_load, layerwise_info, layerwise_loader
 
 PREPARED_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
 """vLLM quantization methods whose post-load processing writes only to the
@@ -107,6 +106,11 @@ class _Shadow:
     name: str
     live: torch.nn.Module
     layer: torch.nn.Module
+    loaded: set[str] = field(default_factory=set)
+    """Tensor attributes a loader wrote."""
+    numel: int = 0
+    """Elements loaded, in vLLM's count."""
+    processed: bool = False
 
 
 def _shadow_of(name: str, live: torch.nn.Module, shared: dict[str, torch.Tensor] | None = None) -> _Shadow:
@@ -146,30 +150,42 @@ class PreparedRound:
 
     ``layers``: the served layers the round loads, by name (the plugin's
     trace of the round); ``tied``: groups of ``(layer name, layer, attr)``
-    sharing one parameter (``TiedParameters.groups``).
+    sharing one parameter (``TiedParameters.groups``); ``expected``: layer
+    id -> the elements a complete round loads into it (the served
+    checkpoint's trace, ``Coverage.counts``). A shadow is processed as soon
+    as its count reaches that, as vLLM's reload processes a layer, so the
+    model-format tensors of only a few layers are held at a time.
     """
 
     copies_loaded_tensors = True
 
-    def __init__(self, model: torch.nn.Module, layers: dict[str, torch.nn.Module], tied: list[list[tuple[str, Any, str]]]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layers: dict[str, torch.nn.Module],
+        tied: list[list[tuple[str, Any, str]]],
+        expected: dict[int, int],
+    ) -> None:
         self.model = model
+        self._expected = expected
         self._layers = {id(layer): name for name, layer in layers.items()}
         self._tied = tied
         self._shadows: dict[int, _Shadow] = {}
         self.tensors = 0
-        self.processing_s = 0.0
 
     def load_weights(self, weights: Any) -> None:
         """The model's ``load_weights`` over ``weights``, every served
-        parameter's loader pointing at its layer's shadow meanwhile; then
-        every shadow processed."""
+        tensor's loader pointing at its layer's shadow meanwhile; then every
+        shadow processed."""
         served: dict[int, tuple[torch.nn.Module, str, torch.Tensor]] = {}
         for layer in self.model.modules():  # a tied tensor is its first layer's, as in named_parameters()
-            for attr, p in layer._parameters.items():
+            # Buffers too: the model's loader loads persistent ones (AutoWeightsLoader).
+            for attr, p in [*layer._parameters.items(), *layer._buffers.items()]:
                 if p is not None:
                     served.setdefault(id(p), (layer, attr, p))
         served = list(served.values())
-        saved = [p.__dict__.get("weight_loader", _MISSING) for _, _, p in served]
+        # Through the attribute, not __dict__: vLLM's parameter classes keep it behind a property.
+        saved = [getattr(p, "weight_loader", _MISSING) for _, _, p in served]
         try:
             for layer, attr, p in served:
                 p.weight_loader = functools.partial(self._load, layer, attr)
@@ -180,9 +196,11 @@ class PreparedRound:
                     del p.weight_loader
                 else:
                     p.weight_loader = loader
-        started = time.perf_counter()
-        self._process()
-        self.processing_s = time.perf_counter() - started
+        # Layers whose count did not reach the checkpoint's (none, where the
+        # trace said the round is complete) are processed as vLLM finalizes them.
+        for shadow in list(self._shadows.values()):
+            if not shadow.processed:
+                self._process(shadow)
 
     def _load(self, live: torch.nn.Module, attr: str, *args: Any, **kwargs: Any) -> Any:
         """A served parameter's loader: the call goes to the shadow's
@@ -196,34 +214,43 @@ class PreparedRound:
         shadow = self._shadows.get(id(live))
         if shadow is None:
             shadow = self._shadows[id(live)] = _shadow_of(name, live)
-        param = shadow.layer._parameters[attr]
+        param = shadow.layer._parameters.get(attr, shadow.layer._buffers.get(attr))
+        shadow.loaded.add(attr)
         self.tensors += 1
         # vLLM's reload leaves its buffering wrapper on the recorded metadata,
         # bound to the served layer: the shadow loads through the loader inside.
         loader = layerwise_loader(param)
         if isinstance(loader, MethodType) and loader.__self__ is live:
             loader = loader.__func__.__get__(shadow.layer)
-        return loader(param, *args, **kwargs)
+        numel, ret = counted_load(loader, param, *args, **kwargs)
+        shadow.numel += numel
+        if not shadow.processed and shadow.numel >= self._expected.get(id(live), -1) >= 0:
+            self._process(shadow)  # its model-format tensors freed before the next layer's
+        return ret
 
-    def _process(self) -> None:
-        """vLLM's post-load processing on every shadow, tied partners of loaded
-        layers included (given the loaded member's shadow tensor)."""
+    def _process(self, shadow: _Shadow) -> None:
+        """vLLM's post-load processing of ``shadow``, and of the shadows of
+        layers tied to it, made now with its tensor (before its processing
+        may replace it)."""
+        partners = []
         for members in self._tied:
-            loaded = [(layer, attr) for _, layer, attr in members if id(layer) in self._shadows]
-            if not loaded:
+            attr = next((a for _, layer, a in members if layer is shadow.live), None)
+            if attr is None:
                 continue
-            tensor = self._shadows[id(loaded[0][0])].layer._parameters[loaded[0][1]]
-            for name, layer, attr in members:
+            tensor = shadow.layer._parameters[attr]
+            for name, layer, partner_attr in members:
                 if id(layer) not in self._shadows:
-                    self._shadows[id(layer)] = _shadow_of(name, layer, shared={attr: tensor})
-        for shadow in self._shadows.values():
-            layer = shadow.layer
+                    partner = self._shadows[id(layer)] = _shadow_of(name, layer, shared={partner_attr: tensor})
+                    partners.append(partner)
+        for one in (shadow, *partners):
+            layer = one.layer
             layer.__dict__.pop("_already_called_process_weights_after_loading", None)
             method = getattr(layer, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(layer)
                 if hasattr(layer, "update_param_tp_status"):
                     layer.update_param_tp_status()
+            one.processed = True
 
     def commit(self) -> int:
         """Copy every shadow into its served layer; returns the bytes copied.
@@ -233,7 +260,9 @@ class PreparedRound:
         attributes = []
         for shadow in self._shadows.values():
             live, layer = shadow.live, shadow.layer
-            served = {**live._parameters, **{k: b for k, b in live._buffers.items() if k not in live._non_persistent_buffers_set}}
+            # As vLLM's reload: a non-persistent buffer only if the round loaded it.
+            buffers = {k: b for k, b in live._buffers.items() if k not in live._non_persistent_buffers_set or k in shadow.loaded}
+            served = {**live._parameters, **buffers}
             for attr, dst in served.items():
                 if dst is None:
                     continue

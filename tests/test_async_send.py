@@ -177,8 +177,8 @@ def test_a_snapshot_that_does_not_fit_fails_in_setup_naming_its_bytes(receiver, 
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("send", ["blocking", "async"])
-def test_staged_commit_serves_while_the_round_streams_and_pauses_only_to_commit(send):
+@pytest.mark.parametrize("send,commit", [("blocking", "staged"), ("async", "staged"), ("blocking", "prepared")])
+def test_staged_commit_serves_while_the_round_streams_and_pauses_only_to_commit(send, commit):
     """While the round streams (``blocking``: the trainer stalls mid-stream),
     or once it is staged whole and before its commit (``async``: held before
     the pause), the server is not paused and answers completions from the
@@ -197,7 +197,7 @@ def test_staged_commit_serves_while_the_round_streams_and_pauses_only_to_commit(
             seen["checksums"] = module_checksums(receiver.model)
 
         client = FaultyClient(HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT_S))
-        ws = WeightSync(config(url, module=None, commit="staged", send=send), client=client)
+        ws = WeightSync(config(url, module=None, commit=commit, send=send), client=client)
         ws.setup(trainer)
         try:
             if send == "blocking":

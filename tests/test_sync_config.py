@@ -161,7 +161,8 @@ def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
         ({"init_info": {"master_port": 70000}}, r"init_info for TorchDist\w+: master_port must be in 0\.\.65535, got 70000"),
         ({"init_info": {"rank": 1}}, r"init_info: remove 'rank'; each trainer process sets its own rank"),
         ({"send": "asynch"}, r"send='asynch' is not one of \('blocking', 'async'\); did you mean 'async'\?"),
-        ({"commit": "stage"}, r"commit='stage' is not one of \('inline', 'staged'\); did you mean 'staged'\?"),
+        ({"commit": "stage"}, r"commit='stage' is not one of \('inline', 'staged', 'prepared'\); did you mean 'staged'\?"),
+        ({"commit": "prepared", "backend": "nccl"}, r"commit: prepared needs backend: torch_dist, not 'nccl': .*; set commit: inline"),
         ({"async_overflow": "drop"}, r"async_overflow='drop' is not one of \('wait', 'skip'\)"),
         ({"send": "async", "backend": "nccl"}, r"send: async needs backend: torch_dist, not 'nccl': vLLM's own nccl/ipc transfer runs a NCCL communicator, which must not run beside the training's own collectives; set send: blocking"),
         ({"commit": "staged", "backend": "ipc"}, r"commit: staged needs backend: torch_dist, not 'ipc': .*; set commit: inline"),
@@ -245,6 +246,7 @@ def test_lora_keys():
         ({"lora": "adapter", "lora_name": "../etc"}, r"lora_name='../etc' must be 1-128 characters of letters, digits"),
         ({"lora": "adapter", "lora_name": "p", "exclude": ["*.bias"]}, r"lora: adapter sends the adapter whole: remove them"),
         ({"lora": "adapter", "lora_name": "p", "commit": "staged"}, r"commit: staged stages base weights; .* set commit: inline"),
+        ({"lora": "adapter", "lora_name": "p", "commit": "prepared"}, r"commit: prepared stages base weights; .* set commit: inline"),
     ):
         with pytest.raises(ValueError, match=message):
             SyncConfig(servers=[URL], **keys)

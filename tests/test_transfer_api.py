@@ -219,6 +219,10 @@ def test_worker_parse_errors_name_the_key():
     ):
         with pytest.raises(ValueError, match=message):
             engine.parse_update_info({**sent, "keep": keep})
+    # A prepared round is a staged one.
+    assert engine.parse_update_info({**sent, "staged": True, "prepared": True}).prepared
+    with pytest.raises(ValueError, match=r"prepared: true needs staged: true"):
+        engine.parse_update_info({**sent, "prepared": True})
 
 
 def test_worker_engine_surface():

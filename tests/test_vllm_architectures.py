@@ -37,7 +37,7 @@ from wt_callbacks.demos import tiny_lms, toy_task
 from wt_callbacks.demos.multiprocess import free_port
 from wt_callbacks.demos.vllm_server import VLLMServer, start_vllm_server
 from wt_callbacks.sync import WeightSync
-from wt_callbacks.transfer import ModuleSource, WeightTransferError
+from wt_callbacks.transfer import WeightTransferError
 from wt_callbacks.verify import ProbeSet, query_servers, served_logprob_diff
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -200,12 +200,17 @@ def test_family_serves_the_trained_weights(family: str, pool: ServerPool, probes
     fp32 = served_diff(server, trained, probes)
     assert fp32 <= FP32_ATOL, f"{family}: vLLM serves logprobs {fp32:.2e} away from the trained model"
 
-    push(server, trained, 7, dtype="bfloat16")
+    # Prepared: loaded and processed into shadow layers while serving; MoE layers cannot be, so staged.
+    log_from = len(server.log)
+    push(server, trained, 7, dtype="bfloat16", commit="prepared")
+    log = server.log[log_from:]
+    assert ("prepared tensors" in log) != ("moe" in family or family == "mixtral"), log[-2000:]
+    assert ("this round is staged, not prepared: " in log) == ("moe" in family or family == "mixtral"), log[-2000:]
     exact = served_diff(server, bf16_rounded(trained), probes)
     bf16 = served_diff(server, trained, probes)
     assert exact <= FP32_ATOL, f"{family}: a bf16 wire did not deliver the bf16-rounded weights ({exact:.2e})"
     assert bf16 <= BF16_ATOL
-    print(f"ARCH {family}: stale {stale:.2f}, fp32 wire {fp32:.1e}, bf16 wire {bf16:.1e} (vs bf16-rounded {exact:.1e})")
+    print(f"ARCH {family}: stale {stale:.2f}, fp32 wire {fp32:.1e}, bf16 wire prepared {bf16:.1e} (vs bf16-rounded {exact:.1e})")
     if family in PEFT_MERGED:
         merged = served_peft_merge(server, family, probes)
         print(f"LORA merge {family} ({', '.join(PEFT_MERGED[family])}): {merged:.1e}")

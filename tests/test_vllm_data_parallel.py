@@ -65,7 +65,8 @@ def test_verification_checks_every_engine(dp: Deployment, tokenizer, prompts, ca
     stale = served_logprob_diff(model, url, timeout_s=120)
     assert sorted(stale) == [f"{url}#dp0", f"{url}#dp1"]
     assert min(stale.values()) > 100 * FP32_ATOL, stale
-    ws = WeightSync(SyncConfig(servers=[url], timeout_s=30, pause="keep", verify_every_n_syncs=1))
+    # Prepared: each engine's worker loads and processes the round beside its generation.
+    ws = WeightSync(SyncConfig(servers=[url], timeout_s=30, pause="keep", verify_every_n_syncs=1, commit="prepared"))
     ws.setup(model)
     try:
         with caplog.at_level(logging.INFO, logger="wt_callbacks.verify"):

@@ -253,7 +253,7 @@ QV = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
 def test_merge_rounds_leave_what_no_adapter_touches_and_a_split_layer_is_refused(server, probes):
     """``send_frozen: once`` (the default for a merged PEFT model) into vLLM:
     with LoRA on q_proj and v_proj, rounds after a connection's first leave
-    out the tied embedding, the norms and the whole MLP, inline and staged,
+    out the tied embedding, the norms and the whole MLP, inline, staged and prepared,
     each verified within 1e-4 while training moves the adapters; k_proj and
     o_proj are sent (vLLM fuses k_proj with q_proj into one qkv_proj). A
     round keeping k_proj while it sends q_proj is refused before any byte
@@ -269,7 +269,7 @@ def test_merge_rounds_leave_what_no_adapter_touches_and_a_split_layer_is_refused
     }  # fmt: skip
     kept_bytes = sum(m.nbytes for m in source.metadata() if m.name in frozen)
     rows = []
-    for commit in ("inline", "staged"):
+    for commit in ("inline", "staged", "prepared"):
         sync = WeightSync(SyncConfig(**section(server, commit=commit)))
         try:
             sync.setup(model, 0, 1)

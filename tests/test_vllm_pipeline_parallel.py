@@ -48,8 +48,10 @@ def test_rounds_reach_every_stage_bit_for_bit(pp: Deployment, tokenizer) -> None
     assert sorted(pp.loaded) == STAGES
     model = checkpoint_model(pp.server)
     train(model, tokenizer, steps=3, seed=1)
-    push(pp.server, model)
+    log_from = len(pp.server.log)
+    push(pp.server, model, commit_gate=lambda: None, prepared=True)  # each stage prepares its own layers
     assert changed_workers(pp) == set(STAGES)
+    assert pp.server.log[log_from:].count("prepared tensors") == len(STAGES)
     push(pp.server, checkpoint_model(pp.server))
     assert checksum_mismatches(pp.loaded, served_checksums(pp.server.url)) == []
 

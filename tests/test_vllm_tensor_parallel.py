@@ -67,9 +67,12 @@ def test_rounds_are_exact_on_both_workers(tp: Deployment, tokenizer, prompts) ->
     changed = checksum_mismatches(tp.loaded, served_checksums(tp.server.url))
     assert {m.split()[0] for m in changed} == set(tp.loaded) and len(tp.loaded) == WORKERS, changed
     assert any(m.endswith("qkv_proj.weight@cpu_kernel") for m in changed), "the kernels' weights are not compared"
-    # The checkpoint's weights, synced back: every worker serves, bit for bit, what it loaded.
-    push(tp.server, checkpoint_model(tp.server))
+    # The checkpoint's weights, synced back (prepared in shadow layers on each worker while
+    # serving): every worker serves, bit for bit, what it loaded.
+    log_from = len(tp.server.log)
+    push(tp.server, checkpoint_model(tp.server), commit_gate=lambda: None, prepared=True)
     assert checksum_mismatches(tp.loaded, served_checksums(tp.server.url)) == []
+    assert tp.server.log[log_from:].count("prepared tensors") == WORKERS
 
 
 def test_a_refused_round_then_every_next_round_delivers(tp: Deployment, prompts) -> None:  # noqa: F811

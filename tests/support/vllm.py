@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -86,14 +87,15 @@ def checkpoint_model(server: VLLMServer) -> torch.nn.Module:
     return LlamaForCausalLM.from_pretrained(server.model_dir, dtype=torch.float32).eval()
 
 
-def push(server: VLLMServer, source: torch.nn.Module | WeightSource, version: str = "v") -> None:
+def push(server: VLLMServer, source: torch.nn.Module | WeightSource, version: str = "v", **send: Any) -> None:
     """One round into ``server`` through the public API (``trainer_init``,
-    ``send_weights``), both ends shut down afterwards; raises what the round raised."""
+    ``send_weights(version, **send)``), both ends shut down afterwards; raises
+    what the round raised."""
     client, engine = connect(
         server.url, source if isinstance(source, WeightSource) else ModuleSource(source), api_key=server.api_key
     )
     try:
-        engine.send_weights(version)
+        engine.send_weights(version, **send)
     finally:
         engine.shutdown()
         try:

@@ -267,7 +267,10 @@ class ReceiverCore:
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
         """Receive one update into the stage; a staged one (``staged`` in the
         update dict, the trainer's ``commit: staged``) only starts to, and
-        generation goes on while it streams (the stage is not the model)."""
+        generation goes on while it streams (the stage is not the model). A
+        prepared one (``commit: prepared``) is staged the same way: what vLLM
+        prepares before its commit, the receiver's stage already is (spare
+        tensors its commit swaps in)."""
         with self._lock:
             if self._stage is None:
                 raise RuntimeError("start_weight_update must be called before update_weights.")
