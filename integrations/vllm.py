@@ -157,6 +157,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             self._applied_s = 0.0
             self._staged: StagedTensors | PreparedRound | None = None
             self._inline_session = False  # the session's last update was inline (see start_weight_update)
+            self._unprepared: set[str] = set()  # why prepared rounds were staged, said once at WARNING
 
         def start_weight_update(self) -> None:
             # Layerwise reload turns every layer into meta tensors until its
@@ -327,7 +328,10 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                     reason = f"{name}: {why}"
                     break
             if reason is not None:
-                logger.warning("wt_callbacks update_weights: this round is staged, not prepared: %s", reason)
+                # Once per reason at WARNING: every round of such a model says the same.
+                level = logging.INFO if reason in self._unprepared else logging.WARNING
+                self._unprepared.add(reason)
+                logger.log(level, "wt_callbacks update_weights: this round is staged, not prepared: %s", reason)
                 return StagedTensors()
             assert self._guard.coverage is not None  # loaded_layers are known only against one
             return PreparedRound(self.model, layers, tied, self._guard.coverage.counts)

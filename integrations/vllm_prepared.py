@@ -94,10 +94,16 @@ def _rebound(tensor: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Modul
     return tensor
 
 
-def _clone(tensor: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Module) -> torch.Tensor:
+def _clone(tensor: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Module, loader: Any) -> torch.Tensor:
+    """A copy of a served ``tensor`` for ``shadow``, with ``loader`` (the
+    served tensor's own, which points at the shadow while a round loads)."""
     copy = tensor.detach().clone()
     copy.__class__ = tensor.__class__
     copy.__dict__ = tensor.__dict__.copy()
+    if loader is _MISSING:
+        copy.__dict__.pop("weight_loader", None)
+    else:
+        copy.weight_loader = loader
     return _rebound(copy, live, shadow)
 
 
@@ -113,11 +119,14 @@ class _Shadow:
     processed: bool = False
 
 
-def _shadow_of(name: str, live: torch.nn.Module, shared: dict[str, torch.Tensor] | None = None) -> _Shadow:
+def _shadow_of(
+    name: str, live: torch.nn.Module, loaders: dict[int, Any], shared: dict[str, torch.Tensor] | None = None
+) -> _Shadow:
     """A module of ``live``'s class sharing its attributes, with tensors of
     its own in model format: parameters materialized from vLLM's recorded
     metadata (or ``shared`` ones), those vLLM never restores (``bias``)
-    cloned from the served ones."""
+    cloned from the served ones (``loaders``: served tensor id -> its own
+    loader)."""
     from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor, to_meta_tensor
 
     info = layerwise_info(live)
@@ -137,11 +146,14 @@ def _shadow_of(name: str, live: torch.nn.Module, shared: dict[str, torch.Tensor]
             elif attr in params and not shared:
                 layer._parameters[attr] = materialize_meta_tensor(_rebound(to_meta_tensor(params[attr]), live, layer))
             else:
-                layer._parameters[attr] = _clone(p, live, layer)
+                layer._parameters[attr] = _clone(p, live, layer, loaders.get(id(p), _MISSING))
         for attr, b in live._buffers.items():
             if b is not None:
                 meta = buffers.get(attr)
-                layer._buffers[attr] = _clone(b, live, layer) if meta is None or shared else materialize_meta_tensor(meta)
+                layer._buffers[attr] = (
+                    _clone(b, live, layer, loaders.get(id(b), _MISSING)) if meta is None or shared
+                    else materialize_meta_tensor(meta)
+                )  # fmt: skip
     return _Shadow(name, live, layer)
 
 
@@ -172,6 +184,7 @@ class PreparedRound:
         self._tied = tied
         self._shadows: dict[int, _Shadow] = {}
         self.tensors = 0
+        self._loaders: dict[int, Any] = {}
 
     def load_weights(self, weights: Any) -> None:
         """The model's ``load_weights`` over ``weights``, every served
@@ -185,13 +198,14 @@ class PreparedRound:
                     served.setdefault(id(p), (layer, attr, p))
         served = list(served.values())
         # Through the attribute, not __dict__: vLLM's parameter classes keep it behind a property.
-        saved = [getattr(p, "weight_loader", _MISSING) for _, _, p in served]
+        self._loaders = {id(p): getattr(p, "weight_loader", _MISSING) for _, _, p in served}
         try:
             for layer, attr, p in served:
                 p.weight_loader = functools.partial(self._load, layer, attr)
             self.model.load_weights(weights)
         finally:
-            for (_, _, p), loader in zip(served, saved):
+            for _, _, p in served:
+                loader = self._loaders[id(p)]
                 if loader is _MISSING:
                     del p.weight_loader
                 else:
@@ -213,7 +227,7 @@ class PreparedRound:
             raise RuntimeError(f"the round loads a {type(live).__name__} layer its trace did not find; it is discarded")
         shadow = self._shadows.get(id(live))
         if shadow is None:
-            shadow = self._shadows[id(live)] = _shadow_of(name, live)
+            shadow = self._shadows[id(live)] = _shadow_of(name, live, self._loaders)
         param = shadow.layer._parameters.get(attr, shadow.layer._buffers.get(attr))
         shadow.loaded.add(attr)
         self.tensors += 1
@@ -240,7 +254,7 @@ class PreparedRound:
             tensor = shadow.layer._parameters[attr]
             for name, layer, partner_attr in members:
                 if id(layer) not in self._shadows:
-                    partner = self._shadows[id(layer)] = _shadow_of(name, layer, shared={partner_attr: tensor})
+                    partner = self._shadows[id(layer)] = _shadow_of(name, layer, self._loaders, shared={partner_attr: tensor})
                     partners.append(partner)
         for one in (shadow, *partners):
             layer = one.layer
