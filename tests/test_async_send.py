@@ -241,6 +241,34 @@ def test_the_pause_for_a_commit_waits_until_the_servers_staged_the_round(monkeyp
     assert seen["paused"] >= seen["staged"]
 
 
+def test_a_staged_round_is_received_at_the_niceness_the_server_asks(monkeypatch):
+    """``WT_STAGING_NICE`` in the server's environment: the thread a staged
+    round is received on runs at that niceness, the rest of the server as it was."""
+    from wt_callbacks.receiver.staging import StagedWeights
+
+    seen: dict = {}
+    staging = StagedWeights.load_weights
+
+    def noting_niceness(self, weights) -> None:
+        seen["staging"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        staging(self, weights)
+
+    monkeypatch.setattr(StagedWeights, "load_weights", noting_niceness)
+    monkeypatch.setenv("WT_STAGING_NICE", "5")
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    trainer = policy(1)
+    with Receiver(tiny_lm(0)) as receiver:
+        url = receiver.start()
+        ws = WeightSync(config(url, commit="prepared"), client=HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT_S))
+        ws.setup(trainer)
+        try:
+            assert ws.sync(1) is not None
+        finally:
+            ws.close()
+        assert module_checksums(receiver.model) == module_checksums(trainer.model)
+    assert seen["staging"] == max(before, 5) and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
 def test_a_failed_staging_never_touches_the_served_model(caplog):
     """A round cut mid-stream, and one whose pause fails once every byte
     arrived: the server discards the stage (the trainer left the group

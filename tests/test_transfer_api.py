@@ -225,6 +225,24 @@ def test_worker_parse_errors_name_the_key():
         engine.parse_update_info({**sent, "prepared": True})
 
 
+def test_staging_niceness_is_checked_when_the_worker_engine_starts(monkeypatch):
+    """``WT_STAGING_NICE`` (the staging thread's niceness) fails the engine's
+    start, naming it, unless it is 0..19; a staged round's thread gets it."""
+    model = torch.nn.Linear(2, 2)
+
+    def engine():
+        return WeightTransferEngineFactory.create_engine(WeightTransferConfig(), _host_config(), torch.device("cpu"), model)
+
+    for bad in ("-1", "20", "low"):
+        monkeypatch.setenv("WT_STAGING_NICE", bad)
+        with pytest.raises(ValueError, match=rf"WT_STAGING_NICE='{bad}' must be an integer niceness from 0 to 19"):
+            engine()
+    monkeypatch.setenv("WT_STAGING_NICE", "7")
+    assert engine()._staging_nice == 7
+    monkeypatch.delenv("WT_STAGING_NICE")
+    assert engine()._staging_nice == 0
+
+
 def test_worker_engine_surface():
     model, draft = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(), _host_config(), torch.device("cpu"), model)

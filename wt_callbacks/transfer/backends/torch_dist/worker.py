@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
@@ -139,6 +141,7 @@ class TorchDistWeightTransferEngine(
         # the model in device memory.
         self._receive_buffers: list[torch.Tensor] | None = [] if device.type == "cpu" else None
         self._staging: _Staging | None = None
+        self._staging_nice = staging_nice()
 
     def worker_rank(self, init_info: TorchDistWeightTransferInitInfo) -> int:
         pc = self.parallel_config
@@ -212,7 +215,14 @@ class TorchDistWeightTransferEngine(
         self.accept_update(update_info, self.model)
         model, group, info = self.model if into is None else into(), self.group, self.init_info
         assert group is not None and info is not None
+        nice = self._staging_nice
+
         def stage() -> None:
+            # This thread only (each round's is new: nothing to restore); never
+            # lowered, which would need a privilege.
+            tid = threading.get_native_id()
+            if nice > os.getpriority(os.PRIO_PROCESS, tid):
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
             try:
                 self._stream_into(model, group, info, update_info)
             finally:
@@ -398,6 +408,35 @@ class TorchDistWeightTransferEngine(
         else:
             for tensor in tensors:
                 broadcast(tensor.contiguous()).wait()
+
+
+STAGING_NICE_ENV = "WT_STAGING_NICE"
+"""The niceness (0-19, default 0) the thread a staged round is received
+(and, under ``commit: prepared``, processed) on in a server's process runs
+at, at least."""
+
+
+def staging_nice() -> int:
+    """``WT_STAGING_NICE`` of this process, checked (at the engine's start).
+
+    Staging runs beside generation on the server's cores. A server saturated
+    with requests slows them for the length of every staged round; a higher
+    niceness gives generation the cores first, and the round takes longer:
+    measured under 8 streaming clients on 2 cores (``commit: prepared``, 74M
+    fp32), p99 latency of requests straddling a sync over those clear of
+    syncs 1.63 at 0, 1.26 at 10 and 1.19 at 19, rounds taking 0.64 s, 1.82 s
+    and 4.6 s. Worth it where rounds are off the trainer's critical path
+    (``send: async``); under ``send: blocking`` the trainer waits for them."""
+    value = os.environ.get(STAGING_NICE_ENV, "").strip()
+    if not value:
+        return 0
+    try:
+        nice = int(value)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise ValueError(f"{STAGING_NICE_ENV}={value!r} must be an integer niceness from 0 to 19 (unset: 0)")
+    return nice
 
 
 def _destinations(model: Any, update_info: TorchDistWeightTransferUpdateInfo) -> list[torch.Tensor | None] | None:
