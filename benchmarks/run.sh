@@ -26,7 +26,7 @@ if [ "${WT_SKIP_VLLM:-0}" != "1" ]; then
   WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \
     "$PY" benchmarks/soak.py --target vllm --rounds 300 --at 10,100,300 --out "$OUT/soak_vllm.json"
   WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \
-    "$PY" benchmarks/sync_under_load.py --target vllm --size llama-74M --seconds 120 --out "$OUT/sync_under_load.json"
+    "$PY" benchmarks/sync_under_load.py --target vllm --size llama-74M --seconds 180 --out "$OUT/sync_under_load.json"
   WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \
     "$PY" benchmarks/async_send.py --out "$OUT/async_send.json" --md "$OUT/async_send.md"
   WT_VLLM_PYTHON="$(cd "${WT_VLLM_VENV:-.venv-vllm}" && pwd)/bin/python" \
