@@ -1,5 +1,5 @@
 """Completions while weights sync every few seconds: generation downtime per sync and request
-latency, ``commit: inline`` against ``commit: staged``, side by side in one run.
+latency, ``commit: inline``, ``staged`` and ``prepared``, side by side in one run.
 
 Run from the repository root with the project venv::
 
@@ -13,8 +13,9 @@ greedy completions back to back (``--max-tokens`` tokens of a fixed prompt,
 token ids in and out; from vLLM streamed, one event per token, with the time
 each token arrived). Meanwhile a ``WeightSync`` with ``pause: keep`` pushes
 changed weights every ``--sync-every`` seconds, with ``commit: inline`` (the
-server pauses before the first byte) and ``commit: staged`` (it receives while
-it generates and pauses for the commit alone) in alternating blocks
+server pauses before the first byte), ``commit: staged`` (it receives while
+it generates and pauses for the commit alone) and ``commit: prepared`` (it also
+processes the round before the pause) in alternating blocks
 (``--blocks`` of each, ``--seconds`` in all), each block its own ``WeightSync``.
 
 Per commit mode:
@@ -22,8 +23,8 @@ Per commit mode:
 * **downtime per sync** (streamed only): the longest interval overlapping a
   round (the trainer's call, start to end) in which no stream received a
   token, minus the median gap between two tokens of one stream away from
-  rounds: what a sync adds to the wait for the next token. The ratio
-  staged / inline compares the medians over the rounds.
+  rounds: what a sync adds to the wait for the next token. The ratios
+  staged / inline and prepared / inline compare the medians over the rounds.
 * **latency**: requests that *straddled* a sync (their lifetime overlapped a
   round) and those *clear* of syncs: count, failed, p50 and p99; the ratio
   p99 straddled / p99 clear.
