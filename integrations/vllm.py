@@ -94,7 +94,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     from wt_callbacks.integrations.vllm_layerwise import failed_load_warnings_quieted, processing_deferred
-    from wt_callbacks.integrations.vllm_prepared import PreparedRound, unpreparable
+    from wt_callbacks.integrations.vllm_prepared import PreparedRound, unprepared_reason
     from wt_callbacks.integrations.vllm_reload import ReloadGuard
     from wt_callbacks.transfer.backends.torch_dist import TorchDistWeightTransferEngine
     from wt_callbacks.transfer.backends.torch_dist.worker import StagedTensors
@@ -322,11 +322,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             modules = dict(self.model.named_modules())
             layers = {name: modules[name] for name in sorted(names or ()) if name in modules}
             tied = [m for m in self._guard.tied.groups if any(name in layers for name, _, _ in m)]
-            for name, layer in [*layers.items(), *((n, layer) for m in tied for n, layer, _ in m)]:
-                why = None if reason else unpreparable(layer)
-                if why is not None:
-                    reason = f"{name}: {why}"
-                    break
+            reason = reason or unprepared_reason(self.model, layers, tied)
             if reason is not None:
                 # Once per reason at WARNING: every round of such a model says the same.
                 level = logging.INFO if reason in self._unprepared else logging.WARNING

@@ -83,6 +83,33 @@ def unpreparable(layer: torch.nn.Module) -> str | None:
     return None
 
 
+def unprepared_reason(
+    model: torch.nn.Module, layers: dict[str, torch.nn.Module], tied: list[list[tuple[str, Any, str]]]
+) -> str | None:
+    """Why a round loading ``layers`` (by name; ``tied``: the groups sharing
+    a tensor with one of them) must be staged instead of prepared, or ``None``."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    for members in tied:
+        # The owner (first, as named_parameters() keeps it) is loaded; a partner of its own too would find
+        # its shadow made before the owner's tensor exists.
+        for name, _, _ in members[1:]:
+            if name in layers:
+                return f"{name}: shares a tensor with {members[0][0]} and loads tensors of its own"
+    for name, layer in [*layers.items(), *((n, layer) for m in tied for n, layer, _ in m)]:
+        why = unpreparable(layer)
+        if why is not None:
+            return f"{name}: {why}"
+    for name, module in model.named_modules():
+        # vLLM processes an attention layer again at the end of every reload, from its children (MLA's
+        # W_UK/W_UV from kv_b_proj): a commit without that reload would leave it on the old weights.
+        if is_deferred_attention_layer(module):
+            child = next((n for n in layers if n.startswith(f"{name}.")), None)
+            if child is not None:
+                return f"{child}: {type(module).__name__} {name} processes it again at the end of a reload"
+    return None
+
+
 def _rebound(tensor: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Module) -> torch.Tensor:
     """``tensor`` with its methods bound to ``live`` (or to vLLM's sanitized
     placeholder) bound to ``shadow``: loaders write through their layer."""
@@ -157,6 +184,10 @@ def _shadow_of(
     return _Shadow(name, live, layer)
 
 
+def _is_redirect(loader: Any) -> bool:
+    return isinstance(loader, functools.partial) and getattr(loader.func, "__func__", None) is PreparedRound._load
+
+
 class PreparedRound:
     """The staging target of a prepared round (see the module docstring).
 
@@ -197,6 +228,9 @@ class PreparedRound:
                 if p is not None:
                     served.setdefault(id(p), (layer, attr, p))
         served = list(served.values())
+        stale = next((p for _, _, p in served if _is_redirect(getattr(p, "weight_loader", None))), None)
+        if stale is not None:  # its thread outlived its round's timeout; its restore would undo ours
+            raise RuntimeError("an abandoned prepared round is still loading on this worker; the round is discarded")
         # Through the attribute, not __dict__: vLLM's parameter classes keep it behind a property.
         self._loaders = {id(p): getattr(p, "weight_loader", _MISSING) for _, _, p in served}
         try:
@@ -228,6 +262,8 @@ class PreparedRound:
         shadow = self._shadows.get(id(live))
         if shadow is None:
             shadow = self._shadows[id(live)] = _shadow_of(name, live, self._loaders)
+        if shadow.processed:  # vLLM drops such a load; preparing it now would commit a layer it never processed
+            raise RuntimeError(f"the round loads into {name} after every tensor of it arrived; it is discarded")
         param = shadow.layer._parameters.get(attr, shadow.layer._buffers.get(attr))
         shadow.loaded.add(attr)
         self.tensors += 1
