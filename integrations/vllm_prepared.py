@@ -28,8 +28,10 @@ How, without touching the layers that serve meanwhile:
   processing (``quant_method.process_weights_after_loading``) as the layer
   would. Only methods known to keep no state of their own outside the layer
   are run on a shadow (``PREPARED_METHODS``); a round loading any other layer
-  (fused MoE, quantized, attention scales) is staged as before, and the
-  plugin logs why.
+  (fused MoE, quantized, attention scales), one under an attention layer
+  vLLM processes again at the end of a reload (MLA's ``kv_b_proj``), or a
+  tied layer with tensors of its own, is staged as before, and the plugin
+  logs why (``unprepared_reason``).
 * **Tied layers.** A layer sharing a parameter with a loaded one (the tied
   ``lm_head``) gets a shadow holding the loaded one's shadow tensor and is
   processed too: on CPU its packed copy of the embedding is rebuilt from the
