@@ -92,6 +92,15 @@ def unprepared_reason(
     a tensor with one of them) must be staged instead of prepared, or ``None``."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
+    loaded = {id(layer): name for name, layer in layers.items()}
+    for name, module in model.named_modules():
+        # vLLM processes an attention layer again at the end of every reload, from layers it holds (MLA's
+        # W_UK/W_UV from kv_b_proj, which its parent registers first): a commit without that reload would
+        # leave it on the old weights.
+        if is_deferred_attention_layer(module):
+            held = next((loaded[id(m)] for m in module.modules() if m is not module and id(m) in loaded), None)
+            if held is not None:
+                return f"{held}: {type(module).__name__} {name} processes it again at the end of a reload"
     for members in tied:
         # The owner (first, as named_parameters() keeps it) is loaded; a partner of its own too would find
         # its shadow made before the owner's tensor exists.
@@ -102,13 +111,6 @@ def unprepared_reason(
         why = unpreparable(layer)
         if why is not None:
             return f"{name}: {why}"
-    for name, module in model.named_modules():
-        # vLLM processes an attention layer again at the end of every reload, from its children (MLA's
-        # W_UK/W_UV from kv_b_proj): a commit without that reload would leave it on the old weights.
-        if is_deferred_attention_layer(module):
-            child = next((n for n in layers if n.startswith(f"{name}.")), None)
-            if child is not None:
-                return f"{child}: {type(module).__name__} {name} processes it again at the end of a reload"
     return None
 
 

@@ -167,7 +167,11 @@ def test_deepseek_v3_a_push_serves_what_loading_its_checkpoint_served(pool: Serv
             b.normal_(generator=torch.Generator().manual_seed(0))
     push(server, rerouted, 300)
     assert _largest_change(loaded, query_servers([server.url], probes, timeout_s=120)[server.url]) > 1e-3
-    push(server, transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32), 301)
+    # Prepared: MLA attention rebuilds W_UK/W_UV from kv_b_proj at the end of a reload, so the round is staged.
+    log_from = len(server.log)
+    push(server, transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32), 301, commit="prepared")
+    log = server.log[log_from:]
+    assert "this round is staged, not prepared: model.layers.0.self_attn.kv_b_proj: MLAAttention " in log, log[-3000:]
     again = query_servers([server.url], probes, timeout_s=120)[server.url]
     assert _largest_change(loaded, again) <= 1e-5
     print(f"ARCH deepseek_v3: pushed back, {_largest_change(loaded, again):.1e} from the checkpoint's logprobs")
