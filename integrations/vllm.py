@@ -226,16 +226,12 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 super().update_weights(typed)
                 return
             if typed.staged:
-                targets: list[StagedTensors | PreparedRound] = []
-
-                def target() -> StagedTensors | PreparedRound:  # once the round's trace is known
-                    targets.append(self._prepared_round() if typed.prepared else StagedTensors())
-                    return targets[0]
-
                 self._inline_session = False
                 self._polls.exit()  # the engine steps while the round stages: vLLM's own waiting
-                self.stage_weights(typed, into=target)
-                self._staged = targets[0]
+                # The target is chosen once the round is accepted: a prepared one needs its trace.
+                self._staged = self.stage_weights(
+                    typed, into=self._prepared_round if typed.prepared else StagedTensors
+                )
                 return
             self._inline_session = True
             with self._restored_on_failure("round"):

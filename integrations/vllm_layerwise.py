@@ -43,15 +43,6 @@ def missing_reload_internals() -> list[str]:
     return missing_names(REQUIRED_INTERNALS)
 
 
-def layerwise_info(layer: torch.nn.Module) -> Any:
-    """vLLM's reload record of ``layer``: its model-format metadata
-    (``restore_metadata``), recorded when the model was loaded, and the
-    state of a reload under way."""
-    from vllm.model_executor.model_loader.reload import layerwise
-
-    return layerwise.get_layerwise_info(layer)
-
-
 def layerwise_loader(tensor: torch.Tensor) -> Any:
     """The weight loader of ``tensor`` without layerwise reload's wrappers
     (``default_weight_loader`` where it declares none)."""

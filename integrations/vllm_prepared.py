@@ -24,9 +24,10 @@ How, without touching the layers that serve meanwhile:
   into the shadow before the next is asked for, so the receive buffers
   rotate: a prepared round holds the shadow, not the round in the wire
   dtype besides.
-* **Processing.** Once the round is in, each shadow gets vLLM's post-load
+* **Processing.** As soon as all of a layer has arrived (the served
+  checkpoint's count of its elements), its shadow gets vLLM's post-load
   processing (``quant_method.process_weights_after_loading``) as the layer
-  would. Only methods known to keep no state of their own outside the layer
+  would, so the model-format tensors of only a few layers are held at once. Only methods known to keep no state of their own outside the layer
   are run on a shadow (``PREPARED_METHODS``); a round loading any other layer
   (fused MoE, quantized, attention scales), one under an attention layer
   vLLM processes again at the end of a reload (MLA's ``kv_b_proj``), or a
@@ -55,7 +56,7 @@ from typing import Any
 
 import torch
 
-from wt_callbacks.integrations.vllm_layerwise import counted_load, layerwise_info, layerwise_loader
+from wt_callbacks.integrations.vllm_layerwise import counted_load, layerwise_loader
 
 PREPARED_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
 """vLLM quantization methods whose post-load processing writes only to the
@@ -79,7 +80,9 @@ def unpreparable(layer: torch.nn.Module) -> str | None:
         return f"its quantization method {type(method).__name__} may keep state outside the layer"
     if any(name in SKIP_LOAD_TENSORS for name in layer._parameters):
         return f"{kind} has tensors vLLM's reload does not restore"
-    params, _ = layerwise_info(layer).restore_metadata
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    params, _ = get_layerwise_info(layer).restore_metadata
     if not params:
         return f"vLLM recorded no model-format metadata for {kind}"
     return None
@@ -158,9 +161,10 @@ def _shadow_of(
     metadata (or ``shared`` ones), those vLLM never restores (``bias``)
     cloned from the served ones (``loaders``: served tensor id -> its own
     loader)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor, to_meta_tensor
 
-    info = layerwise_info(live)
+    info = get_layerwise_info(live)
     params, buffers = info.restore_metadata
     layer = object.__new__(type(live))
     layer.__dict__.update(live.__dict__)
@@ -232,8 +236,8 @@ class PreparedRound:
                 if p is not None:
                     served.setdefault(id(p), (layer, attr, p))
         served = list(served.values())
-        stale = next((p for _, _, p in served if _is_redirect(getattr(p, "weight_loader", None))), None)
-        if stale is not None:  # its thread outlived its round's timeout; its restore would undo ours
+        if any(_is_redirect(getattr(p, "weight_loader", None)) for _, _, p in served):
+            # Its thread outlived its round's timeout; its restore would undo ours.
             raise RuntimeError("an abandoned prepared round is still loading on this worker; the round is discarded")
         # Through the attribute, not __dict__: vLLM's parameter classes keep it behind a property.
         self._loaders = {id(p): getattr(p, "weight_loader", _MISSING) for _, _, p in served}
@@ -278,7 +282,7 @@ class PreparedRound:
             loader = loader.__func__.__get__(shadow.layer)
         numel, ret = counted_load(loader, param, *args, **kwargs)
         shadow.numel += numel
-        if not shadow.processed and shadow.numel >= self._expected.get(id(live), -1) >= 0:
+        if shadow.numel >= self._expected.get(id(live), -1) >= 0:
             self._process(shadow)  # its model-format tensors freed before the next layer's
         return ret
 

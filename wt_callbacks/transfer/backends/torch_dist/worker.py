@@ -205,11 +205,11 @@ class TorchDistWeightTransferEngine(
             return
         super().update_weights(typed)
 
-    def stage_weights(self, update_info: TorchDistWeightTransferUpdateInfo, into: Callable[[], Any] | None = None) -> None:
+    def stage_weights(self, update_info: TorchDistWeightTransferUpdateInfo, into: Callable[[], Any] | None = None) -> Any:
         """Accept a staged update, then receive it on a thread into the
         target ``into()`` makes once the update is accepted (its checks may
         decide what to stage into; default: the engine's target, which must
-        not be the served model)."""
+        not be the served model). Returns that target."""
         if self._staging is not None:
             raise RuntimeError("a staged weight update is still receiving; finish it before the next one")
         self.accept_update(update_info, self.model)
@@ -230,6 +230,7 @@ class TorchDistWeightTransferEngine(
 
         receiving = in_daemon_thread(stage, "wt-staging")
         self._staging = _Staging(group, receiving)
+        return model
 
     def finish_staging(self) -> bool:
         """Wait for the staged update, if one is open (``True`` then): at most
