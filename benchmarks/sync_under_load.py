@@ -17,6 +17,8 @@ server pauses before the first byte), ``commit: staged`` (it receives while
 it generates and pauses for the commit alone) and ``commit: prepared`` (it also
 processes the round before the pause) in alternating blocks
 (``--blocks`` of each, ``--seconds`` in all), each block its own ``WeightSync``.
+A mode written ``prepared@10`` (or ``staged@10``) asks the server to stage its
+rounds at that niceness (``staging_nice``), as ``send: async`` does by default.
 
 Per commit mode:
 
@@ -149,7 +151,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="in all, over every block of both modes")
     parser.add_argument("--sync-every", type=float, default=3.0)
     parser.add_argument("--blocks", type=int, default=2, help="blocks of each commit mode, alternating")
-    parser.add_argument("--commits", default=",".join(COMMITS), help=f"comma-separated, from {COMMITS}")
+    parser.add_argument(
+        "--commits", default=",".join(COMMITS), help=f"comma-separated, from {COMMITS}, each optionally @niceness"
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--server", help="a running vLLM server to use (with --model-dir); its weights are overwritten")
@@ -160,6 +164,10 @@ def main() -> None:
     if args.server and not args.model_dir:
         parser.error("--server needs --model-dir")
     commits = [c.strip() for c in args.commits.split(",") if c.strip()]
+    try:
+        keys = {c: mode_keys(c) for c in commits}
+    except ValueError as e:
+        parser.error(f"--commits: {e}")
     torch.set_num_threads(1)
     from transformers import LlamaForCausalLM
 
@@ -207,7 +215,7 @@ def main() -> None:
                     t.start()
                 for block in range(args.blocks):
                     for commit in commits:
-                        ws = WeightSync(dataclasses.replace(base, commit=commit))
+                        ws = WeightSync(dataclasses.replace(base, **keys[commit]))
                         ws.setup(model)
                         if not rss_before:
                             rss_before = ProcessStats.of(pids).rss_bytes
@@ -261,25 +269,25 @@ def main() -> None:
         "server_rss_growth_over_model_bytes": (rss_peak - rss_before) / model_bytes if pids else None,
         "other_cores": load.other_cores, "machine": platform.platform(),
     }  # fmt: skip
-    for commit in ("staged", "prepared"):
-        if "inline" in modes and commit in modes and modes["inline"]["downtime_s_median"] and modes[commit]["downtime_s_median"]:
+    for commit in [c for c in commits if c != "inline"]:
+        if "inline" in modes and modes["inline"]["downtime_s_median"] and modes[commit]["downtime_s_median"]:
             result[f"ratio_downtime_{commit}_over_inline"] = modes[commit]["downtime_s_median"] / modes["inline"]["downtime_s_median"]
     print(f"{args.target} {result['size']}: {args.clients} clients, {args.seconds:g} s, a sync every {args.sync_every:g} s "
           f"({failed_rounds} rounds failed); other processes used {load.other_cores:.2f} cores")  # fmt: skip
-    print(f"{'commit':<8} {'rounds':>6} {'round s':>8} {'paused s':>8} {'downtime s':>10} "
+    print(f"{'commit':<11} {'rounds':>6} {'round s':>8} {'paused s':>8} {'downtime s':>10} "
           f"{'requests':<18} {'count':>6} {'failed':>6} {'p50 s':>7} {'p99 s':>7}")  # fmt: skip
     for commit, m in modes.items():
         for i, (cls, s) in enumerate(m["requests"].items()):
             head = (
-                f"{commit:<8} {m['rounds']:>6} {_f(m['round_s_median'], 8)} {_f(m['generation_paused_s_median'], 8)} "
+                f"{commit:<11} {m['rounds']:>6} {_f(m['round_s_median'], 8)} {_f(m['generation_paused_s_median'], 8)} "
                 f"{_f(m['downtime_s_median'], 10)}"
-                if i == 0 else " " * 44
+                if i == 0 else " " * 47
             )  # fmt: skip
             print(f"{head} {cls:<18} {s['requests']:>6} {s['failed']:>6} {_f(s['p50_s'], 7)} {_f(s['p99_s'], 7)}")
             for error in s["errors"]:
                 print(f"  {error}")
-        print(f"{'':<8} p99 straddled / clear: {_f(m['ratio_p99_straddled_over_clear'], 5, 2)}")
-    for commit in ("staged", "prepared"):
+        print(f"{'':<11} p99 straddled / clear: {_f(m['ratio_p99_straddled_over_clear'], 5, 2)}")
+    for commit in commits:
         if f"ratio_downtime_{commit}_over_inline" in result:
             print(f"downtime per sync, {commit} / inline: {result[f'ratio_downtime_{commit}_over_inline']:.2f}")
     if result["server_rss_growth_over_model_bytes"] is not None:
@@ -290,6 +298,14 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=1))
     failed = failed_rounds + sum(s["failed"] for m in modes.values() for s in m["requests"].values())
     sys.exit(1 if failed else 0)
+
+
+def mode_keys(mode: str) -> dict[str, Any]:
+    """``prepared@10`` -> the ``SyncConfig`` keys ``commit: prepared, staging_nice: 10``."""
+    commit, _, nice = mode.partition("@")
+    if commit not in COMMITS or (nice and (commit == "inline" or not nice.isdigit())):
+        raise ValueError(f"{mode!r} is not one of {COMMITS}, or staged/prepared@niceness")
+    return {"commit": commit, "staging_nice": int(nice) if nice else None}
 
 
 def _f(value: float | None, width: int, digits: int = 3) -> str:

@@ -83,6 +83,7 @@ class WeightSyncCallback(Callback):
         commit: str | None = None,
         send: str | None = None,
         async_overflow: str | None = None,
+        staging_nice: int | None = None,
         init_info: dict[str, Any] | None = None,
         config: dict[str, Any] | None = None,
         timeout_s: float | None = None,

@@ -124,6 +124,7 @@ class WeightSyncTrainerCallback(TrainerCallback, ExportableState):
         commit: str | None = None,
         send: str | None = None,
         async_overflow: str | None = None,
+        staging_nice: int | None = None,
         init_info: dict[str, Any] | None = None,
         config: dict[str, Any] | None = None,
         timeout_s: float | None = None,

@@ -259,8 +259,9 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 return
             if update_info.staged:
                 logger.info(
-                    "wt_callbacks update_weights: staging %d tensors while the server generates%s", len(update_info.names),
-                    ", processed into shadow layers before the pause" if update_info.prepared else "",
+                    "wt_callbacks update_weights: staging %d tensors while the server generates%s, at niceness %d",
+                    len(update_info.names), ", processed into shadow layers before the pause" if update_info.prepared else "",
+                    self.staging_niceness(update_info),
                 )  # fmt: skip
                 return
             logger.info(

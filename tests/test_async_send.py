@@ -241,9 +241,14 @@ def test_the_pause_for_a_commit_waits_until_the_servers_staged_the_round(monkeyp
     assert seen["paused"] >= seen["staged"]
 
 
-def test_a_staged_round_is_received_at_the_niceness_the_server_asks(monkeypatch):
-    """``WT_STAGING_NICE`` in the server's environment: the thread a staged
-    round is received on runs at that niceness, the rest of the server as it was."""
+@pytest.mark.parametrize(
+    "server_floor, keys, runs_at",
+    [("5", {}, 5), ("5", {"staging_nice": 12}, 12), ("5", {"staging_nice": 2}, 5), (None, {"send": "async"}, 10)],
+)
+def test_a_staged_round_is_received_at_the_niceness_asked(monkeypatch, server_floor, keys, runs_at):
+    """The thread a staged round is received on runs at the round's
+    ``staging_nice`` (10 under ``send: async`` when left out), or at the
+    server's ``WT_STAGING_NICE`` where higher; the rest of the server as it was."""
     from wt_callbacks.receiver.staging import StagedWeights
 
     seen: dict = {}
@@ -254,19 +259,22 @@ def test_a_staged_round_is_received_at_the_niceness_the_server_asks(monkeypatch)
         staging(self, weights)
 
     monkeypatch.setattr(StagedWeights, "load_weights", noting_niceness)
-    monkeypatch.setenv("WT_STAGING_NICE", "5")
+    if server_floor is None:
+        monkeypatch.delenv("WT_STAGING_NICE", raising=False)
+    else:
+        monkeypatch.setenv("WT_STAGING_NICE", server_floor)
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     trainer = policy(1)
     with Receiver(tiny_lm(0)) as receiver:
         url = receiver.start()
-        ws = WeightSync(config(url, commit="prepared"), client=HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT_S))
+        ws = WeightSync(config(url, commit="prepared", **keys), client=HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT_S))
         ws.setup(trainer)
         try:
-            assert ws.sync(1) is not None
+            assert ws.sync_at_fit_start(1) is not None  # waits for its round under send: async too
         finally:
             ws.close()
         assert module_checksums(receiver.model) == module_checksums(trainer.model)
-    assert seen["staging"] == max(before, 5) and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    assert seen["staging"] == max(before, runs_at) and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
 def test_a_failed_staging_never_touches_the_served_model(caplog):

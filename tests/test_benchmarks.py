@@ -68,12 +68,14 @@ def test_soak_smoke(tmp_path):
 
 
 def test_sync_under_load_smoke(tmp_path):
-    """Every commit mode, one block each (the streamed downtime needs vLLM: tests/test_vllm_e2e.py)."""
+    """Every commit mode and one staged at a niceness, one block each (the
+    streamed downtime needs vLLM: tests/test_vllm_e2e.py)."""
     out = tmp_path / "load.json"
-    run("benchmarks/sync_under_load.py", "--target", "receiver", "--clients", "2", "--seconds", "4.5",
-        "--sync-every", "0.5", "--blocks", "1", "--max-tokens", "2", "--out", str(out))  # fmt: skip
+    run("benchmarks/sync_under_load.py", "--target", "receiver", "--clients", "2", "--seconds", "6",
+        "--sync-every", "0.5", "--blocks", "1", "--max-tokens", "2", "--commits", "inline,staged,prepared,prepared@3",
+        "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
-    assert result["failed_rounds"] == 0 and set(result["modes"]) == {"inline", "staged", "prepared"}
+    assert result["failed_rounds"] == 0 and set(result["modes"]) == {"inline", "staged", "prepared", "prepared@3"}
     for mode in result["modes"].values():
         assert mode["rounds"] >= 1 and sum(c["requests"] for c in mode["requests"].values()) > 0
     assert result["server_rss_growth_over_model_bytes"] is not None

@@ -169,11 +169,27 @@ def test_top_level_dtype_and_timeout_fill_the_backend_config_unless_set_there():
         ({"send": "async", "config": {"transport": "nccl"}}, r"send: async cannot use config.transport: nccl: a NCCL broadcast on a background thread"),
         ({"send": "async", "verify_every_n_syncs": 5}, r"verify_every_n_syncs: under send: async .* call sync_now\(verify=True\)"),
         ({"async_overflow": "skip"}, r"async_overflow: skip applies to send: async, and send is 'blocking'; set send: async"),
+        ({"commit": "prepared", "staging_nice": 20}, r"staging_nice=20 must be an integer niceness from 0 to 19"),
+        ({"commit": "staged", "staging_nice": -1}, r"staging_nice=-1 must be an integer niceness from 0 to 19"),
+        ({"commit": "staged", "staging_nice": "low"}, r"key 'staging_nice' must be of type int \| None, got str 'low'"),
+        ({"staging_nice": 10}, r"staging_nice sets the niceness servers stage a round at, and commit: inline rounds are not staged"),
     ],
 )
 def test_validation_messages_name_the_key(bad, match):
     with pytest.raises(ValueError, match=r"^weight_sync: " + match):
         SyncConfig.from_hparams({"weight_sync": {"servers": [URL], **bad}})
+
+
+def test_staging_niceness_defaults_to_background_under_async_send():
+    """Left out, ``staging_nice`` is 10 where the training loop does not wait
+    for the round (``send: async``) and 0 where it does; set, it is kept."""
+    def niceness(**keys):
+        return SyncConfig(servers=[URL], **keys).staging_niceness
+
+    assert niceness(commit="prepared", send="async") == niceness(commit="staged", send="async") == 10
+    assert niceness(commit="prepared") == niceness(send="async") == niceness() == 0
+    assert niceness(commit="staged", send="async", staging_nice=0) == 0
+    assert niceness(commit="staged", staging_nice=19) == 19
 
 
 def test_unsupported_container():

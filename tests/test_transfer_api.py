@@ -223,6 +223,18 @@ def test_worker_parse_errors_name_the_key():
     assert engine.parse_update_info({**sent, "staged": True, "prepared": True}).prepared
     with pytest.raises(ValueError, match=r"prepared: true needs staged: true"):
         engine.parse_update_info({**sent, "prepared": True})
+    # A round's staging niceness: 0..19, for a staged round only; the server's floor applies.
+    assert engine.staging_niceness(engine.parse_update_info({**sent, "staged": True, "staging_nice": 12})) == 12
+    for nice, message in (
+        (20, r"staging_nice=20 must be an integer niceness from 0 to 19"),
+        (-3, r"staging_nice=-3 must be an integer niceness from 0 to 19"),
+        ("5", r"key 'staging_nice' must be of type <class 'int'>, got str '5'"),
+        (True, r"key 'staging_nice' must be of type <class 'int'>, got bool True"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            engine.parse_update_info({**sent, "staged": True, "staging_nice": nice})
+    with pytest.raises(ValueError, match=r"staging_nice applies to a staged round \(its staging thread\): it needs staged: true"):
+        engine.parse_update_info({**sent, "staging_nice": 4})
 
 
 def test_staging_niceness_is_checked_when_the_worker_engine_starts(monkeypatch):
@@ -238,7 +250,10 @@ def test_staging_niceness_is_checked_when_the_worker_engine_starts(monkeypatch):
         with pytest.raises(ValueError, match=rf"WT_STAGING_NICE='{bad}' must be an integer niceness from 0 to 19"):
             engine()
     monkeypatch.setenv("WT_STAGING_NICE", "7")
-    assert engine()._staging_nice == 7
+    floored = engine()
+    staged = {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]], "staged": True}
+    for asked, runs in ((0, 7), (3, 7), (12, 12)):
+        assert floored.staging_niceness(floored.parse_update_info({**staged, "staging_nice": asked})) == runs
     monkeypatch.delenv("WT_STAGING_NICE")
     assert engine()._staging_nice == 0
 

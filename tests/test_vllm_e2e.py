@@ -315,9 +315,11 @@ def test_staged_commit_serves_the_old_weights_until_it_commits_and_through_faile
     is not paused and completes requests from the old weights. A staging cut
     mid-stream (the trainer's source fails), and one whose pause fails once
     every byte arrived (the trainer leaves the group, then sends its clean-up
-    finish), never touch the served model; the next round delivers."""
+    finish), never touch the served model; the next round delivers. The
+    prepared rounds ask for a staging niceness, which the worker runs them at."""
     client = held_client(server)
-    ws = WeightSync(sync_config(server, commit=commit, on_error="warn"), client=client)
+    nice = 7 if commit == "prepared" else 0
+    ws = WeightSync(sync_config(server, commit=commit, on_error="warn", staging_nice=nice), client=client)
     ws.setup(trainer_model)
     log_from = len(server.log)
     try:
@@ -360,6 +362,7 @@ def test_staged_commit_serves_the_old_weights_until_it_commits_and_through_faile
         log = server.log[log_from:]
         assert "staged, not prepared" not in log
         assert (log.count("prepared tensors") >= 3) == (commit == "prepared"), log[-3000:]
+        assert log.count(f"before the pause, at niceness {nice}" if nice else "the server generates, at niceness 0") >= 3
     finally:
         ws.close()
 

@@ -145,7 +145,10 @@ class RoundRunner:
         once the servers staged the whole round, right before its commit."""
         assert self.engine is not None
         if self.config.commit != "inline" and self.rank == 0:
-            self.engine.send_weights(version, commit_gate=self._pause, prepared=self.config.commit == "prepared")
+            self.engine.send_weights(
+                version, commit_gate=self._pause, prepared=self.config.commit == "prepared",
+                staging_nice=self.config.staging_niceness,
+            )  # fmt: skip
         else:
             self.engine.send_weights(version)
         self._resume()  # before the agreement: generation restarts while the ranks agree

@@ -43,6 +43,14 @@ def check_positive(key: str, value: Any, *, integer: bool = False, zero_means: s
         )
 
 
+def check_niceness(key: str, value: Any, *, shown: Any = None) -> None:
+    """Refuse (``ValueError`` naming ``key`` and ``shown``, default
+    ``value``) a niceness other than an int from 0 to 19: a process may
+    raise its threads' niceness, not lower it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
+        raise ValueError(f"{key}={value if shown is None else shown!r} must be an integer niceness from 0 to 19")
+
+
 def check_wire_fields(info: Any) -> None:
     """The packing fields of vLLM's trainer init infos, on any config or init
     info that has them: ``packed`` a bool, the buffer size and count positive

@@ -43,7 +43,7 @@ from wt_callbacks.transfer.base import (
 from wt_callbacks.transfer.server_group import group_world_size
 from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, slot_capacities
 from wt_callbacks.transfer.sources.snapshot import HostSnapshot
-from wt_callbacks.transfer.validation import checked_stream
+from wt_callbacks.transfer.validation import check_niceness, checked_stream
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -263,6 +263,7 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         *,
         commit_gate: Callable[[], None] | None = None,
         prepared: bool = False,
+        staging_nice: int = 0,
     ) -> None:
         """One round (see the class docstring); every rank calls it.
 
@@ -275,7 +276,8 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         its clean-up finish, and the servers discard the staged round.
         ``prepared`` (with a gate, ``commit: prepared``): the servers also
         process the staged round into the form they serve before the gate,
-        so the commit after it only copies.
+        so the commit after it only copies. ``staging_nice`` (0-19, with a
+        gate): the niceness the servers stage it at, at least.
         """
         if self._failure is not None:
             raise WeightTransferError(
@@ -285,6 +287,7 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         start = time.perf_counter()
         metas = source_metadata(self.source)
         kept = self.source.kept_metadata()
+        check_niceness("staging_nice", staging_nice)
         # Every rank checks the same metadata, so all raise before any gather.
         check_names_unique((m.name for m in metas), key="the weight source's metadata()")
         if kept:
@@ -295,7 +298,8 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         sent = 0
         try:
             if self.is_sender:
-                sent = self._send_round(items, metas, kept, weight_version, commit_gate, prepared)
+                staging = {"prepared": prepared, "staging_nice": staging_nice} if commit_gate is not None else {}
+                sent = self._send_round(items, metas, kept, weight_version, commit_gate, staging)
             else:
                 for _ in items:
                     pass
@@ -318,7 +322,7 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         kept: list[ParamMeta],
         weight_version: str | None,
         commit_gate: Callable[[], None] | None,
-        prepared: bool,
+        staging: dict[str, Any],
     ) -> int:
         if self.group is None:
             raise WeightTransferError("the engine has no transfer group: it was shut down; create a new one")
@@ -326,9 +330,8 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
         try:
             self._start_update()
             update_info = update_info_for(
-                metas, session_id=self.session_id, staged=commit_gate is not None,
-                prepared=prepared and commit_gate is not None, kept=kept,
-            )  # fmt: skip
+                metas, session_id=self.session_id, staged=commit_gate is not None, kept=kept, **staging
+            )
             server_call = in_daemon_thread(lambda: self.client.update_weights(update_info), "wt-update")
             sent = self._broadcast(checked_stream(items, metas), metas, server_call)
             if commit_gate is not None:

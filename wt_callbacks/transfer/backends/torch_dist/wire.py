@@ -29,7 +29,7 @@ from wt_callbacks.transfer.base import (
     dtype_name,
 )
 from wt_callbacks.transfer.infos import VLLM_PACKED_BUFFER_SIZE_BYTES, VLLM_PACKED_NUM_BUFFERS
-from wt_callbacks.transfer.validation import check_positive, check_wire_fields, parse_wire_dtype
+from wt_callbacks.transfer.validation import check_niceness, check_positive, check_wire_fields, parse_wire_dtype
 
 BACKEND = "torch_dist"
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 64 * 1024 * 1024
@@ -234,6 +234,11 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     the trainer pauses it, so the commit only copies that in. Sent only when
     true, so a server older than the key refuses such a round, naming it.
 
+    ``staging_nice`` (0-19, with ``staged``): the niceness the worker's
+    staging thread runs at, at least (the server's ``WT_STAGING_NICE`` is
+    the floor), so generation gets the cores before a round the trainer
+    does not wait for (``SyncConfig.staging_nice``). Sent only when above 0.
+
     ``keep`` (``{"names", "dtype_names", "shapes"}``, as the sent tensors are
     described): checkpoint tensors this round does not send, which the server
     keeps as it holds them (frozen base tensors a trainer sent in an earlier
@@ -252,12 +257,16 @@ class TorchDistWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     lora: dict[str, Any] | None = None
     staged: bool = False
     prepared: bool = False
+    staging_nice: int = 0
     keep: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.dtypes = _described(self.names, self.dtype_names, self.shapes, key="")
         if self.prepared and not self.staged:
             raise ValueError("prepared: true needs staged: true (a prepared round is a staged one, processed before its commit)")
+        check_niceness("staging_nice", self.staging_nice)
+        if self.staging_nice and not self.staged:
+            raise ValueError("staging_nice applies to a staged round (its staging thread): it needs staged: true")
         self.kept_names: list[str] = []
         self.kept_dtypes: list[torch.dtype] = []
         self.kept_shapes: list[list[int]] = []
@@ -332,12 +341,14 @@ def update_info_for(
     session_id: str | None = None,
     staged: bool = False,
     prepared: bool = False,
+    staging_nice: int = 0,
     kept: Iterable[ParamMeta] = (),
 ) -> dict[str, Any]:
     """The JSON update dict describing ``metas``, for the session ``session_id``
     (an engine's ``session_id``; ``None`` for a group formed without one);
     ``staged`` asks for a staged round (``prepared``: one the servers
-    also process before the commit), ``kept`` describes the tensors the
+    also process before the commit; ``staging_nice``: the niceness they
+    stage it at, at least), ``kept`` describes the tensors the
     servers keep as they hold them (``TorchDistWeightTransferUpdateInfo``)."""
     info = _description(metas)
     if session_id is not None:
@@ -346,6 +357,8 @@ def update_info_for(
         info["staged"] = True
     if prepared:
         info["prepared"] = True
+    if staging_nice:
+        info["staging_nice"] = staging_nice
     kept = list(kept)
     if kept:
         info["keep"] = _description(kept)

@@ -35,6 +35,7 @@ from wt_callbacks.transfer.base import (
     in_daemon_thread,
 )
 from wt_callbacks.transfer.packing import broadcast_packed, receive_packed
+from wt_callbacks.transfer.validation import check_niceness
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ class TorchDistWeightTransferEngine(
         self.accept_update(update_info, self.model)
         model, group, info = self.model if into is None else into(), self.group, self.init_info
         assert group is not None and info is not None
-        nice = self._staging_nice
+        nice = self.staging_niceness(update_info)
 
         def stage() -> None:
             # This thread only (each round's is new: nothing to restore); never
@@ -231,6 +232,11 @@ class TorchDistWeightTransferEngine(
         receiving = in_daemon_thread(stage, "wt-staging")
         self._staging = _Staging(group, receiving)
         return model
+
+    def staging_niceness(self, update_info: TorchDistWeightTransferUpdateInfo) -> int:
+        """The niceness ``update_info``'s staging thread runs at: the round's
+        ``staging_nice``, or the server's ``WT_STAGING_NICE`` where higher."""
+        return max(self._staging_nice, update_info.staging_nice)
 
     def finish_staging(self) -> bool:
         """Wait for the staged update, if one is open (``True`` then): at most
@@ -427,7 +433,8 @@ def staging_nice() -> int:
     fp32), p99 latency of requests straddling a sync over those clear of
     syncs 1.63 at 0, 1.26 at 10 and 1.19 at 19, rounds taking 0.64 s, 1.82 s
     and 4.6 s. Worth it where rounds are off the trainer's critical path
-    (``send: async``); under ``send: blocking`` the trainer waits for them."""
+    (``send: async``); under ``send: blocking`` the trainer waits for them.
+    A round may ask for more (its ``staging_nice``), never for less."""
     value = os.environ.get(STAGING_NICE_ENV, "").strip()
     if not value:
         return 0
@@ -435,8 +442,7 @@ def staging_nice() -> int:
         nice = int(value)
     except ValueError:
         nice = -1
-    if not 0 <= nice <= 19:
-        raise ValueError(f"{STAGING_NICE_ENV}={value!r} must be an integer niceness from 0 to 19 (unset: 0)")
+    check_niceness(STAGING_NICE_ENV, nice, shown=value)
     return nice
 
 
