@@ -59,7 +59,7 @@ SEND_FROZEN_MODES = ("once", "every_round")
 BACKGROUND_BACKENDS = ("torch_dist",)
 BACKGROUND_STAGING_NICE = 10
 """``staging_nice`` under ``send: async``: the p99 latency of requests beside a
-round within 1.3x of the rest on a saturated server (1.26 measured; 0 gave 1.63)."""
+round within 1.3x of the rest on a saturated server (1.16 measured; 1.89 at 0, side by side)."""
 """Backends that can stage a round, send it from a background thread (their
 transfer never uses a communicator the training itself may use) and leave
 out tensors the servers keep (``send_frozen``): this project's own."""
@@ -133,8 +133,8 @@ class SyncConfig:
             run beside it gets their cores first: requests in flight slow
             down less, and the round takes longer when the servers are busy
             (measured at 10 on a saturated 2-core server: p99 latency of the
-            requests beside a round 1.26x that of the rest instead of 1.63x,
-            rounds 3x as long). ``None``: 10 under ``send: async``, where the
+            requests beside a round 1.16x that of the rest instead of 1.89x,
+            rounds 3.6x as long). ``None``: 10 under ``send: async``, where the
             trainer does not wait for the round, else 0. A server's
             ``WT_STAGING_NICE`` is its floor.
         async_overflow: what a round that comes due while the previous one
