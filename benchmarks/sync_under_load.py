@@ -303,8 +303,8 @@ def main() -> None:
 def mode_keys(mode: str) -> dict[str, Any]:
     """``prepared@10`` -> the ``SyncConfig`` keys ``commit: prepared, staging_nice: 10``."""
     commit, _, nice = mode.partition("@")
-    if commit not in COMMITS or (nice and (commit == "inline" or not nice.isdigit())):
-        raise ValueError(f"{mode!r} is not one of {COMMITS}, or staged/prepared@niceness")
+    if commit not in COMMITS or (nice and (commit == "inline" or not nice.isdigit() or int(nice) > 19)):
+        raise ValueError(f"{mode!r} is not one of {COMMITS}, or staged/prepared@niceness (0-19)")
     return {"commit": commit, "staging_nice": int(nice) if nice else None}
 
 

@@ -242,12 +242,16 @@ def test_the_pause_for_a_commit_waits_until_the_servers_staged_the_round(monkeyp
 
 
 @pytest.mark.parametrize(
-    "server_floor, keys, runs_at",
-    [("5", {}, 5), ("5", {"staging_nice": 12}, 12), ("5", {"staging_nice": 2}, 5), (None, {"send": "async"}, 10)],
-)
-def test_a_staged_round_is_received_at_the_niceness_asked(monkeypatch, server_floor, keys, runs_at):
+    "server_floor, keys, awaited, runs_at",
+    [
+        ("5", {}, True, 5), ("5", {"staging_nice": 12}, True, 12), ("5", {"staging_nice": 2}, True, 5),
+        (None, {"send": "async"}, False, 10), (None, {"send": "async"}, True, 0),
+    ],
+)  # fmt: skip
+def test_a_staged_round_is_received_at_the_niceness_asked(monkeypatch, server_floor, keys, awaited, runs_at):
     """The thread a staged round is received on runs at the round's
-    ``staging_nice`` (10 under ``send: async`` when left out), or at the
+    ``staging_nice`` (left out: 10 for a ``send: async`` round the training
+    loop does not wait for, 0 for the cold sync it waits for), or at the
     server's ``WT_STAGING_NICE`` where higher; the rest of the server as it was."""
     from wt_callbacks.receiver.staging import StagedWeights
 
@@ -270,7 +274,11 @@ def test_a_staged_round_is_received_at_the_niceness_asked(monkeypatch, server_fl
         ws = WeightSync(config(url, commit="prepared", **keys), client=HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT_S))
         ws.setup(trainer)
         try:
-            assert ws.sync_at_fit_start(1) is not None  # waits for its round under send: async too
+            if awaited:
+                assert ws.sync_at_fit_start(1) is not None  # waits for its round under send: async too
+            else:
+                assert ws.sync(1) is None  # in the background under send: async, collected at the end
+                assert ws.sync_at_train_end(1) is not None
         finally:
             ws.close()
         assert module_checksums(receiver.model) == module_checksums(trainer.model)

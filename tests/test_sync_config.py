@@ -180,16 +180,18 @@ def test_validation_messages_name_the_key(bad, match):
         SyncConfig.from_hparams({"weight_sync": {"servers": [URL], **bad}})
 
 
-def test_staging_niceness_defaults_to_background_under_async_send():
-    """Left out, ``staging_nice`` is 10 where the training loop does not wait
-    for the round (``send: async``) and 0 where it does; set, it is kept."""
-    def niceness(**keys):
-        return SyncConfig(servers=[URL], **keys).staging_niceness
+def test_staging_niceness_defaults_to_background_for_rounds_the_loop_does_not_wait_for():
+    """Left out, ``staging_nice`` is 10 for a staged round the training loop
+    does not wait for (``send: async``) and 0 for one it waits for; set, it
+    is what every round asks for."""
+    def niceness(awaited=False, **keys):
+        return SyncConfig(servers=[URL], **keys).staging_niceness(awaited=awaited)
 
     assert niceness(commit="prepared", send="async") == niceness(commit="staged", send="async") == 10
-    assert niceness(commit="prepared") == niceness(send="async") == niceness() == 0
+    assert niceness(commit="prepared", send="async", awaited=True) == 0
+    assert niceness(send="async") == niceness() == 0
     assert niceness(commit="staged", send="async", staging_nice=0) == 0
-    assert niceness(commit="staged", staging_nice=19) == 19
+    assert niceness(commit="staged", staging_nice=19, awaited=True) == 19
 
 
 def test_unsupported_container():

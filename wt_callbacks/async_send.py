@@ -55,13 +55,15 @@ class BackgroundRound:
     """One round on rank 0's thread; ``outcome()`` is its JSON result.
 
     ``launch``: what rank 0 measured in the training loop (step, version,
-    the loop's stall, the snapshot's seconds), carried into the outcome.
+    the loop's stall, the snapshot's seconds), carried into the outcome;
+    ``awaited``: whether the loop waits for this round (a cold or final sync).
     """
 
-    def __init__(self, ws: RoundRunner, launch: dict[str, Any], started: float) -> None:
+    def __init__(self, ws: RoundRunner, launch: dict[str, Any], started: float, *, awaited: bool) -> None:
         self.launch = launch
         self._ws = ws
         self._started = started
+        self._awaited = awaited
         self._future: Future = in_daemon_thread(self._run, f"wt-round-{launch['step']}")
 
     def done(self) -> bool:
@@ -80,7 +82,7 @@ class BackgroundRound:
         start = time.perf_counter()
         try:
             ws._begin()
-            ws._send(self.launch["version"])
+            ws._send(self.launch["version"], awaited=self._awaited)
         except Exception as e:  # noqa: BLE001 - the outcome carries it to every rank
             ws._resume(quiet=True)
             # The group is out of step; the next round connects again. Left
@@ -171,7 +173,7 @@ class AsyncSends:
                 "step": step, "version": version, "stall_seconds": now - start, "snapshot_seconds": now - started,
                 "gather_seconds": gather_seconds,
             }  # fmt: skip
-            self.in_flight = BackgroundRound(ws, launch, started)
+            self.in_flight = BackgroundRound(ws, launch, started, awaited=await_round)
         if not await_round:
             return collected
         outcome = self._take(skip_if_busy=False)

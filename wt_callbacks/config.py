@@ -57,12 +57,13 @@ ON_ERROR_MODES = ("raise", "warn")
 LORA_MODES = ("merge", "adapter")
 SEND_FROZEN_MODES = ("once", "every_round")
 BACKGROUND_BACKENDS = ("torch_dist",)
-BACKGROUND_STAGING_NICE = 10
-"""``staging_nice`` under ``send: async``: the p99 latency of requests beside a
-round within 1.3x of the rest on a saturated server (1.16 measured; 1.89 at 0, side by side)."""
 """Backends that can stage a round, send it from a background thread (their
 transfer never uses a communicator the training itself may use) and leave
 out tensors the servers keep (``send_frozen``): this project's own."""
+BACKGROUND_STAGING_NICE = 10
+"""``staging_nice`` of a round the training loop does not wait for: the p99
+latency of requests beside a round within 1.3x of the rest on a saturated
+server (1.16 measured; 1.89 at 0, side by side)."""
 
 
 def _choices_error(key: str, value: Any, choices: tuple[str, ...]) -> ValueError:
@@ -134,9 +135,11 @@ class SyncConfig:
             down less, and the round takes longer when the servers are busy
             (measured at 10 on a saturated 2-core server: p99 latency of the
             requests beside a round 1.16x that of the rest instead of 1.89x,
-            rounds 3.6x as long). ``None``: 10 under ``send: async``, where the
-            trainer does not wait for the round, else 0. A server's
-            ``WT_STAGING_NICE`` is its floor.
+            rounds 3.6x as long). ``None``: 10 for the rounds ``send: async``
+            runs while training goes on, 0 for those the training loop waits
+            for (every round under ``send: blocking``; the cold sync, the
+            final sync and ``sync_now(verify=True)`` under ``async``). A
+            server's ``WT_STAGING_NICE`` is its floor.
         async_overflow: what a round that comes due while the previous one
             is still in flight does (``send: async``): ``"wait"`` for it (the
             wait counts as stall), or ``"skip"`` this round (counted in
@@ -357,12 +360,12 @@ class SyncConfig:
                 "and call sync_now(verify=True), which waits for its round and verifies it"
             )
 
-    @property
-    def staging_niceness(self) -> int:
-        """The ``staging_nice`` rounds ask the servers for (its default resolved)."""
+    def staging_niceness(self, *, awaited: bool) -> int:
+        """The ``staging_nice`` a round asks the servers for (its default
+        resolved), for a round the training loop waits for (``awaited``) or not."""
         if self.staging_nice is not None:
             return self.staging_nice
-        return BACKGROUND_STAGING_NICE if self.send == "async" and self.commit != "inline" else 0
+        return 0 if awaited or self.commit == "inline" else BACKGROUND_STAGING_NICE
 
     @property
     def trigger(self) -> tuple[str, float]:

@@ -139,15 +139,17 @@ class RoundRunner:
         if self.config.commit == "inline":
             self._pause()
 
-    def _send(self, version: str) -> None:
+    def _send(self, version: str, *, awaited: bool = True) -> None:
         """Every rank: the engine's round, then (rank 0) generation resumed.
         Under ``commit: staged`` (and ``prepared``) generation is paused only
-        once the servers staged the whole round, right before its commit."""
+        once the servers staged the whole round, right before its commit;
+        ``awaited``: whether the training loop waits for this round (which
+        sets the servers' default ``staging_nice``)."""
         assert self.engine is not None
         if self.config.commit != "inline" and self.rank == 0:
             self.engine.send_weights(
                 version, commit_gate=self._pause, prepared=self.config.commit == "prepared",
-                staging_nice=self.config.staging_niceness,
+                staging_nice=self.config.staging_niceness(awaited=awaited),
             )  # fmt: skip
         else:
             self.engine.send_weights(version)
