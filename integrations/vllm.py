@@ -150,7 +150,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             super().__init__(config, vllm_config, device, model)
             vllm_collective_rpc.require_rpc_internals(self.parallel_config.world_size)
             vllm_served_checksums.include_cpu_kernels()
-            vllm_cpu_tuning.keep_freed_host_memory(device)
+            self._heap = vllm_cpu_tuning.keep_freed_host_memory(device)
             self._guard = ReloadGuard(model, device, str(self.model_config.model))
             self._reload_begun = False
             self._polls = vllm_cpu_tuning.WorkerPolls()
@@ -186,6 +186,13 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
                 self._reload_begun = True
 
         def finish_weight_update(self) -> None:
+            try:
+                self._finish()
+            finally:
+                if self._heap is not None and self.last_receive is not None:
+                    self._heap.after_round(self.last_receive.bytes)
+
+        def _finish(self) -> None:
             self._polls.exit()
             staged, self._staged = self._staged, None
             if staged is not None:

@@ -431,6 +431,40 @@ def test_cpu_tuning_finds_vllm_internals_and_applies(vllm_python: Path, server: 
         assert log.count(e) == 1, f"{e!r} appears {log.count(e)} times in {server.log_path}"
 
 
+HEAP_BOUND_PROBE = """
+import time, torch
+from wt_callbacks.integrations.vllm_cpu_tuning import _resident_anonymous_bytes, keep_freed_host_memory
+
+bound = keep_freed_host_memory(torch.device("cpu"))
+MiB = 1 << 20
+bound.after_round(64 * MiB)  # the first round: the level it leaves is the base
+blocks = [torch.ones(MiB) for _ in range(256)]  # 1 GiB from the heap, touched
+del blocks[::2]  # every other block freed: holes the heap keeps, resident still
+kept = _resident_anonymous_bytes()
+bound.after_round(64 * MiB)  # over base + 64 MiB: trimmed on a thread of its own
+deadline = time.monotonic() + 30
+while _resident_anonymous_bytes() > kept - 400 * MiB and time.monotonic() < deadline:
+    time.sleep(0.05)
+trimmed = _resident_anonymous_bytes()
+bound.after_round(600 * MiB)  # within base + the largest round: kept
+print(bound.trims, (kept - trimmed) // MiB)
+"""
+
+
+def test_freed_memory_the_worker_keeps_is_bounded_by_a_round() -> None:
+    """``keep_freed_host_memory`` keeps freed blocks in the heap (the next
+    round reuses them instead of page-faulting fresh memory); once the
+    process holds more than its largest round beyond the level its first
+    round left, the heap's free pages go back to the OS, and not before.
+    A process of its own: it changes glibc's malloc settings."""
+    probe = subprocess.run(
+        [sys.executable, "-c", HEAP_BOUND_PROBE], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    trims, released_mib = map(int, probe.stdout.split())
+    assert trims == 1 and released_mib >= 400, probe.stdout
+
+
 # --------------------------------------------------------------------------- #
 # bad input
 # --------------------------------------------------------------------------- #
