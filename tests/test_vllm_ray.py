@@ -8,7 +8,8 @@ vLLM's own ``LLM`` with the ``torch_dist`` weight-transfer config, are
 deployed there from the vLLM venv as named actors (``python -m
 wt_callbacks.demos.vllm_ray``, as an inference deployment would); the trainer
 is given their names (``ray_actors``), nothing else. After each round both
-engines' greedy logprobs equal the trainer model's.
+engines' greedy logprobs equal the trainer model's, for two inline rounds and
+a ``commit: prepared`` one.
 
 Skipped where the machine cannot make network namespaces, and without the
 vLLM venv as the other vLLM tests are; both venvs need the same Ray
@@ -113,3 +114,4 @@ def test_vllm_engines_in_ray_actors_on_another_node_serve_every_round(
     assert report["transport"] == "gloo"
     assert min(report["before"]) > 100 * FP32_ATOL, report
     assert len(report["rounds"]) == 2 and all(max(diffs) <= FP32_ATOL for diffs in report["rounds"]), report
+    assert max(report["prepared_round"]) <= FP32_ATOL, report

@@ -28,19 +28,16 @@ Decisions a user can rely on:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import difflib
-import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from wt_callbacks.hparams import as_mapping, field_or_near_miss
 from wt_callbacks.transfer.base import dtype_name, parse_dataclass
 from wt_callbacks.transfer.clients import PAUSE_MODES as SERVER_PAUSE_MODES
 from wt_callbacks.transfer.factory import WeightTransferTrainerFactory
@@ -419,14 +416,14 @@ class SyncConfig:
         Raises:
             ValueError: naming the key to fix (``"{key}: ..."``).
         """
-        container = _as_mapping(obj, what="hparams")
+        container = as_mapping(obj, what="hparams")
         fields = {f.name for f in dataclasses.fields(cls)}
         if key in container:
-            section = _as_mapping(container[key], what=key)
+            section = as_mapping(container[key], what=key)
         elif not fields & set(container):
             section = {}
         else:
-            others = [k for k in container if not _field_or_near_miss(k, fields)]
+            others = [k for k in container if not field_or_near_miss(k, fields)]
             if others:
                 raise ValueError(
                     f"{key}: these hyperparameters have no {key!r} key, and they mix its keys "
@@ -450,49 +447,3 @@ def shared_resume_state_error(callback: str, hparams_key: str, module: str | Non
         "states would overwrite each other. Give each its own hparams_key (one weight_sync section per "
         "server group)"
     )
-
-
-def _field_or_near_miss(key: Any, fields: set[str]) -> bool:
-    # 0.7, not difflib's 0.6: a learning rate's "lr" is 0.67 from "lora".
-    return key in fields or bool(difflib.get_close_matches(str(key), fields, n=1, cutoff=0.7))
-
-
-def _as_mapping(obj: Any, *, what: str) -> dict[str, Any]:
-    """A plain dict from any supported hparams container."""
-    if obj is None:
-        return {}
-    if isinstance(obj, (str, Path)):
-        return _as_mapping(_read_text_section(obj, what=what), what=what)
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:
-        DictConfig = None  # noqa: N806 - omegaconf is optional
-    # Before the Mapping check: a DictConfig is a Mapping whose values stay
-    # ListConfig / DictConfig unless converted.
-    if DictConfig is not None and isinstance(obj, DictConfig):
-        return OmegaConf.to_container(obj, resolve=True)  # type: ignore[return-value]
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    if isinstance(obj, argparse.Namespace):
-        return vars(obj)
-    raise ValueError(
-        f"{what} must be a dict, an argparse.Namespace, an OmegaConf DictConfig, a YAML file path "
-        f"or a JSON object string, got {type(obj).__name__}"
-    )
-
-
-def _read_text_section(text_or_path: str | Path, *, what: str) -> Any:
-    """A JSON object string, or the contents of a YAML file."""
-    if isinstance(text_or_path, str) and text_or_path.lstrip().startswith("{"):
-        try:
-            return json.loads(text_or_path)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{what}: not a valid JSON object: {e}") from e
-    path = Path(text_or_path)
-    if not path.is_file():
-        raise ValueError(f"{what}: no such YAML file: {path}")
-    try:
-        import yaml
-    except ImportError as e:
-        raise ValueError(f"{what}: reading {path} needs PyYAML (pip install pyyaml)") from e
-    return yaml.safe_load(path.read_text()) or {}

@@ -2,9 +2,11 @@
 
 It joins the cluster as a driver (its environment carries the cluster's
 token: Ray reads it once per process, which is why this is a process of its
-own), syncs ``WeightSync(SyncConfig(ray_actors=...))`` for two rounds and
-prints what it saw as one JSON line: where the actors run as the client sees
-them, what the trainer advertised, the transport, and each engine's max
+own), syncs ``WeightSync(SyncConfig(ray_actors=...))`` for two rounds, then
+one more round from a second session with ``commit: prepared`` (the engines
+receive and process it while they stay usable, and commit it at finish),
+and prints what it saw as one JSON line: where the actors run as the client
+sees them, what the trainer advertised, the transport, and each engine's max
 |logprob difference| to the trainer's model before and after each round.
 
     python -m tests.support.ray_trainer_app --address HOST:PORT --node-ip-address IP \\
@@ -14,6 +16,7 @@ them, what the trainer advertised, the transport, and each engine's max
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import ray
@@ -50,7 +53,8 @@ def main() -> None:
     handles = [ray.get_actor(name, namespace=args.namespace) for name in args.name]
     model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     new_weights(model, seed=1)
-    sync = WeightSync(SyncConfig(ray_actors=args.name, ray_namespace=args.namespace, pause="none", timeout_s=120))
+    config = SyncConfig(ray_actors=args.name, ray_namespace=args.namespace, pause="none", timeout_s=120)
+    sync = WeightSync(config)
     sync.setup(model)
     try:
         report = {
@@ -67,6 +71,15 @@ def main() -> None:
             report["rounds"].append([max_logprob_diff(h, model, prompts) for h in handles])
     finally:
         sync.close()
+    prepared = WeightSync(dataclasses.replace(config, commit="prepared"))
+    prepared.setup(model)
+    try:
+        new_weights(model, seed=2 + args.rounds)
+        if not prepared.maybe_sync(args.rounds + 1):
+            raise RuntimeError("the prepared round did not run")
+        report["prepared_round"] = [max_logprob_diff(h, model, prompts) for h in handles]
+    finally:
+        prepared.close()
     print(json.dumps(report), flush=True)
 
 
