@@ -446,7 +446,7 @@ deadline = time.monotonic() + 30
 while _resident_anonymous_bytes() > kept - 400 * MiB and time.monotonic() < deadline:
     time.sleep(0.05)
 trimmed = _resident_anonymous_bytes()
-bound.after_round(600 * MiB)  # within base + the largest round: kept
+bound.after_round(600 * MiB)  # within base + twice the largest round: kept
 print(bound.trims, (kept - trimmed) // MiB)
 """
 
@@ -454,7 +454,7 @@ print(bound.trims, (kept - trimmed) // MiB)
 def test_freed_memory_the_worker_keeps_is_bounded_by_a_round() -> None:
     """``keep_freed_host_memory`` keeps freed blocks in the heap (the next
     round reuses them instead of page-faulting fresh memory); once the
-    process holds more than its largest round beyond the level its first
+    process holds more than twice its largest round beyond the level its first
     round left, the heap's free pages go back to the OS, and not before.
     A process of its own: it changes glibc's malloc settings."""
     probe = subprocess.run(

@@ -60,7 +60,7 @@ out tensors the servers keep (``send_frozen``): this project's own."""
 BACKGROUND_STAGING_NICE = 10
 """``staging_nice`` of a round the training loop does not wait for: the p99
 latency of requests beside a round within 1.3x of the rest on a saturated
-server (1.16 measured; 1.89 at 0, side by side)."""
+server (1.12-1.21 measured in three runs; 1.71-1.89 at 0, side by side)."""
 
 
 def _choices_error(key: str, value: Any, choices: tuple[str, ...]) -> ValueError:
@@ -131,8 +131,8 @@ class SyncConfig:
             run beside it gets their cores first: requests in flight slow
             down less, and the round takes longer when the servers are busy
             (measured at 10 on a saturated 2-core server: p99 latency of the
-            requests beside a round 1.16x that of the rest instead of 1.89x,
-            rounds 3.6x as long). ``None``: 10 for the rounds ``send: async``
+            requests beside a round 1.12-1.21x that of the rest instead of
+            1.71-1.89x, rounds 3.1-3.6x as long). ``None``: 10 for the rounds ``send: async``
             runs while training goes on, 0 for those the training loop waits
             for (every round under ``send: blocking``; the cold sync, the
             final sync and ``sync_now(verify=True)`` under ``async``). A
