@@ -62,6 +62,7 @@ from wt_callbacks.config import SyncConfig
 from wt_callbacks.demos.receiver_process import start_receiver
 from wt_callbacks.demos.vllm_server import find_vllm_python, start_vllm_server
 from wt_callbacks.sync import WeightSync
+from wt_callbacks.transfer.validation import check_niceness
 from wt_callbacks.verify import served_model_name
 
 from harness import CpuLoadMeter, ProcessStats, server_pids
@@ -303,8 +304,10 @@ def main() -> None:
 def mode_keys(mode: str) -> dict[str, Any]:
     """``prepared@10`` -> the ``SyncConfig`` keys ``commit: prepared, staging_nice: 10``."""
     commit, _, nice = mode.partition("@")
-    if commit not in COMMITS or (nice and (commit == "inline" or not nice.isdigit() or int(nice) > 19)):
-        raise ValueError(f"{mode!r} is not one of {COMMITS}, or staged/prepared@niceness (0-19)")
+    if commit not in COMMITS or (nice and (commit == "inline" or not nice.isdigit())):
+        raise ValueError(f"{mode!r} is not one of {COMMITS}, or staged/prepared@niceness")
+    if nice:
+        check_niceness(f"{mode!r}: staging_nice", int(nice))
     return {"commit": commit, "staging_nice": int(nice) if nice else None}
 
 

@@ -53,6 +53,8 @@ import threading
 import time
 from typing import Any
 
+from wt_callbacks.host_memory import status_bytes
+
 # Under vLLM's logger, whose handler vLLM sets up in every process it starts:
 # the lines land in the server's log, at vLLM's log level.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -283,11 +285,12 @@ class HeapBound:
 
 
 def _resident_anonymous_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """This process's anonymous resident memory; 0 where the kernel does not
+    report it (the bound then never trims)."""
+    try:
+        return status_bytes("RssAnon")
+    except (KeyError, OSError):
+        return 0
 
 
 def keep_freed_host_memory(device: Any) -> HeapBound | None:

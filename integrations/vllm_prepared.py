@@ -27,8 +27,9 @@ How, without touching the layers that serve meanwhile:
 * **Processing.** As soon as all of a layer has arrived (the served
   checkpoint's count of its elements), its shadow gets vLLM's post-load
   processing (``quant_method.process_weights_after_loading``) as the layer
-  would, so the model-format tensors of only a few layers are held at once. Only methods known to keep no state of their own outside the layer
-  are run on a shadow (``PREPARED_METHODS``); a round loading any other layer
+  would, so the model-format tensors of only a few layers are held at once.
+  Only methods known to keep no state of their own outside the layer are
+  run on a shadow (``PREPARED_METHODS``); a round loading any other layer
   (fused MoE, quantized, attention scales), one under an attention layer
   vLLM processes again at the end of a reload (MLA's ``kv_b_proj``), or a
   tied layer with tensors of its own, is staged as before, and the plugin

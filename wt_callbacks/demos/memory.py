@@ -14,13 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
+from wt_callbacks.host_memory import status_bytes
 
 
 @dataclass
@@ -42,8 +36,8 @@ def peak_extra_rss() -> Iterator[PeakRss]:
     result = PeakRss()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
-    result.baseline = _status_bytes("VmRSS")
+    result.baseline = status_bytes("VmRSS")
     try:
         yield result
     finally:
-        result.peak = _status_bytes("VmHWM")
+        result.peak = status_bytes("VmHWM")
