@@ -97,7 +97,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
     from wt_callbacks.integrations.vllm_prepared import PreparedRound, unprepared_reason
     from wt_callbacks.integrations.vllm_reload import ReloadGuard
     from wt_callbacks.transfer.backends.torch_dist import TorchDistWeightTransferEngine
-    from wt_callbacks.transfer.backends.torch_dist.worker import StagedTensors
+    from wt_callbacks.transfer.backends.torch_dist.staging import StagedTensors
 
     class VLLMTorchDistWeightTransferEngine(TorchDistWeightTransferEngine):
         """``TorchDistWeightTransferEngine`` inside a vLLM worker.
@@ -189,8 +189,9 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             try:
                 self._finish()
             finally:
-                if self._heap is not None and self.last_receive is not None:
-                    self._heap.after_round(self.last_receive.bytes)
+                received = self.last_receive
+                if self._heap is not None and received is not None:
+                    self._heap.after_round(received.bytes, trim=received.mapped)
 
         def _finish(self) -> None:
             self._polls.exit()
@@ -301,16 +302,16 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
         def _commit(self, staged: StagedTensors) -> None:
             """Load a staged round into the served model, as an update loads
             what it receives; a failure puts the previous weights back."""
-            started = time.perf_counter()
+            started, count = time.perf_counter(), len(staged.tensors)
             with self._restored_on_failure("commit"):
                 self._begin_reload()
                 with self._loading() as tracker:
-                    tracker.load_weights(iter(staged.tensors))
+                    tracker.load_weights(staged.drain())
             received = self.last_receive
             logger.info(
                 "wt_callbacks finish_weight_update: %d staged tensors, %.1f MB received in %.3f s while the "
                 "server generated; committed in %.3f s (%.3f s of it vLLM's processing)",
-                len(staged.tensors), (received.bytes if received else 0) / 1e6, received.seconds if received else 0.0,
+                count, (received.bytes if received else 0) / 1e6, received.seconds if received else 0.0,
                 time.perf_counter() - started, self._applied_s,
             )  # fmt: skip
 
@@ -375,7 +376,9 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             # (its shape asserts do not).
             self.model = tracker
             try:
-                deferred = contextlib.nullcontext() if layerwise else processing_deferred()
+                # The chunks of a round in mapped memory are freed as its layers are processed.
+                mapped = self.staging_memory == "mapped"
+                deferred = contextlib.nullcontext() if layerwise else processing_deferred(large_last=mapped)
                 with disable_mtp_completeness_check(), deferred:
                     yield tracker
                     received = time.perf_counter()

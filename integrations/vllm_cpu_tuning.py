@@ -261,26 +261,33 @@ class HeapBound:
         self._allowance = 0
         self.trims = 0
 
-    def after_round(self, round_bytes: int) -> None:
+    def after_round(self, round_bytes: int, *, trim: bool = False) -> None:
         """Measure the worker after a round of ``round_bytes``; trim the heap
-        where it holds more than the bound."""
+        where it holds more than the bound, or whatever it holds if ``trim``
+        (a round received in mapped memory, ``WT_STAGING_MEMORY``: what its
+        processing freed in the heap are the previous kernels, and keeping
+        them would hold a second copy beside the next round)."""
         if self._trim is None:
             return
         resident = _resident_anonymous_bytes()
         self._allowance = max(self._allowance, HEAP_ALLOWANCE_ROUNDS * round_bytes)
         if self._base is None:
             self._base = resident
+        if trim:
+            why = "after a round received in mapped memory"
         elif resident > self._base + self._allowance:
-            self.trims += 1
-            threading.Thread(target=self._trimmed, args=(resident,), name="wt-heap-trim", daemon=True).start()
+            why = f"over its bound of {(self._base + self._allowance) / 1e6:.0f} MB"
+        else:
+            return
+        self.trims += 1
+        threading.Thread(target=self._trimmed, args=(resident, why), name="wt-heap-trim", daemon=True).start()
 
-    def _trimmed(self, before: int) -> None:
+    def _trimmed(self, before: int, why: str) -> None:
         start = time.perf_counter()
         self._trim(0)
         logger.info(
-            "wt_callbacks: the worker held %.0f MB, over its bound of %.0f MB; trimmed its heap to %.0f MB in %.3f s",
-            before / 1e6, (self._base + self._allowance) / 1e6, _resident_anonymous_bytes() / 1e6,
-            time.perf_counter() - start,
+            "wt_callbacks: the worker held %.0f MB, %s; trimmed its heap to %.0f MB in %.3f s",
+            before / 1e6, why, _resident_anonymous_bytes() / 1e6, time.perf_counter() - start,
         )  # fmt: skip
 
 

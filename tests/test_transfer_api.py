@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ import pytest
 import requests
 import torch
 
+from tests.support import REPO_ROOT
 from tests.support.transfer import connect
 from wt_callbacks.checksums import module_checksums
 from wt_callbacks.demos import models
@@ -42,7 +45,7 @@ from wt_callbacks.transfer.backends.torch_dist import (
 )
 from wt_callbacks.transfer.base import finish_with_version
 from wt_callbacks.transfer.server_group import assign_rank_offsets
-from wt_callbacks.transfer.packing import CastPart, broadcast_packed, plan_chunks, receive_packed
+from wt_callbacks.transfer.packing import CastPart, broadcast_packed, mapped_buffers, plan_chunks, receive_packed
 from wt_callbacks.receiver import _host_config
 
 LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
@@ -258,6 +261,59 @@ def test_staging_niceness_is_checked_when_the_worker_engine_starts(monkeypatch):
     assert engine()._staging_nice == 0
 
 
+def test_staging_memory_is_checked_when_the_worker_engine_starts(monkeypatch):
+    """``WT_STAGING_MEMORY`` fails the engine's start, naming it and what it
+    takes, unless it is ``heap`` (the default) or ``mapped``."""
+    model = torch.nn.Linear(2, 2)
+
+    def engine():
+        return WeightTransferEngineFactory.create_engine(WeightTransferConfig(), _host_config(), torch.device("cpu"), model)
+
+    monkeypatch.setenv("WT_STAGING_MEMORY", "mmap")
+    with pytest.raises(ValueError, match=r"WT_STAGING_MEMORY='mmap' must be one of heap, mapped"):
+        engine()
+    monkeypatch.setenv("WT_STAGING_MEMORY", "mapped")
+    assert engine().staging_memory == "mapped"
+    monkeypatch.delenv("WT_STAGING_MEMORY")
+    assert engine().staging_memory == "heap"
+
+
+MAPPED_PROBE = """
+import torch
+from wt_callbacks.host_memory import status_bytes
+from wt_callbacks.integrations.vllm_cpu_tuning import keep_freed_host_memory
+from wt_callbacks.transfer.packing import mapped_buffers, receive_packed
+
+keep_freed_host_memory(torch.device("cpu"))  # the vLLM worker's malloc settings: freed memory is kept
+MiB = 1 << 20
+metas = [(torch.float32, [8 * MiB])] * 3  # 32 MiB each, a chunk each at 16 MiB chunks
+for mapped in (False, True):
+    payloads = iter([torch.full((8 * MiB,), float(i)).view(torch.uint8) for i in range(3)])
+    views = list(receive_packed(
+        metas, buffer_size_bytes=16 * MiB, num_buffers=2, broadcast=lambda buf: buf.copy_(next(payloads)),
+        wait=lambda work: None, chunk_buffers=mapped_buffers(metas, 16 * MiB) if mapped else None,
+    ))
+    assert [float(v[-1]) for v in views] == [0.0, 1.0, 2.0]
+    held = status_bytes("RssAnon")
+    del views[0]  # the loader drops the first chunk's view
+    print((held - status_bytes("RssAnon")) // MiB)
+"""
+
+
+def test_mapped_round_buffers_go_back_to_the_os_as_their_last_view_goes():
+    """``mapped_buffers``: each chunk in memory of its own, which
+    leaves the process the moment the loader drops the chunk's last view,
+    where the heap of a vLLM worker (which keeps freed memory) keeps it; the
+    views read what was received either way. A process of its own: it changes
+    glibc's malloc settings."""
+    probe = subprocess.run(
+        [sys.executable, "-c", MAPPED_PROBE], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    heap_mib, mapped_mib = map(int, probe.stdout.split())
+    assert heap_mib < 8 and mapped_mib >= 30, probe.stdout
+
+
 def test_worker_engine_surface():
     model, draft = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(), _host_config(), torch.device("cpu"), model)
@@ -360,6 +416,33 @@ def test_receive_buffers_rotate_only_for_a_loader_that_copies(loader_copies):
         kept = [t if not loader_copies else t.clone() for t in received]
         assert all(torch.equal(a, b) for a, b in zip(kept, tensors))
         assert len(cache) == (3 if loader_copies else len(payloads))
+
+
+def test_a_round_is_received_into_the_buffers_made_for_it_and_the_list_lets_go_of_them():
+    """Buffers made for a round (``mapped_buffers``) are the ones its chunks
+    arrive in, one per chunk, and the list hands each over as its chunk is
+    posted: the loader's views are what keep it."""
+    tensors = [torch.full((n,), float(i)) for i, n in enumerate([3, 5, 2, 9, 1, 4])]
+    metas = [(torch.float32, [t.numel()]) for t in tensors]
+    nbytes = [t.numel() * 4 for t in tensors]
+    chunks = plan_chunks(nbytes, 16)
+    made = mapped_buffers(metas, 16)
+    assert [b.numel() for b in made] == [sum(nbytes[i] for i in chunk) for chunk in chunks]
+    ptrs = {b.data_ptr() for b in made}
+    payloads = iter([torch.cat([tensors[i].view(torch.uint8) for i in chunk]) for chunk in chunks])
+    posted_into = []
+
+    def broadcast(buf):
+        posted_into.append(buf.data_ptr())
+        buf.copy_(next(payloads))
+
+    cache: list[torch.Tensor] = []
+    received = list(receive_packed(
+        metas, buffer_size_bytes=16, num_buffers=2, broadcast=broadcast, wait=lambda work: None, buffers=cache,
+        chunk_buffers=made,
+    ))  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(received, tensors))
+    assert set(posted_into) == ptrs and made == [None] * len(chunks) and not cache
 
 
 def test_a_broadcast_that_completes_as_a_wait_slice_runs_out_is_received():

@@ -363,6 +363,10 @@ def test_staged_commit_serves_the_old_weights_until_it_commits_and_through_faile
         assert "staged, not prepared" not in log
         assert (log.count("prepared tensors") >= 3) == (commit == "prepared"), log[-3000:]
         assert log.count(f"before the pause, at niceness {nice}" if nice else "the server generates, at niceness 0") >= 3
+        # The shared server receives in mapped memory (SHARED_ENV): the heap
+        # is trimmed after each staged round, not after a prepared one, whose
+        # shadows copy what arrives through rotating buffers.
+        assert (log.count("after a round received in mapped memory") >= 3) == (commit == "staged"), log[-3000:]
     finally:
         ws.close()
 
@@ -463,6 +467,30 @@ def test_freed_memory_the_worker_keeps_is_bounded_by_a_round() -> None:
     assert probe.returncode == 0, probe.stderr[-3000:]
     trims, released_mib = map(int, probe.stdout.split())
     assert trims == 1 and released_mib >= 400, probe.stdout
+
+
+def test_an_update_processes_its_layers_as_they_completed_the_large_ones_last() -> None:
+    """At an all-or-nothing update's end the plugin processes the layers in
+    the order they completed, so each frees its receive chunks before the next
+    needs memory, and the few large ones (an embedding, ``lm_head``: over 1/20
+    of the update) last, when the round's chunks are free memory to take their
+    processing from; the meta parameters a load was bound to do not count.
+    vLLM's per-layer reload state is stood in for by its two fields read here
+    (the real order runs in every all-or-nothing round into the shared server,
+    which receives in mapped memory, and the tests above check the served
+    weights exactly)."""
+    from types import SimpleNamespace
+
+    from wt_callbacks.integrations.vllm_layerwise import processing_order
+
+    def layer(name: str, mib: int) -> tuple[str, SimpleNamespace]:
+        loaded = torch.empty(mib * 1024 * 256)  # mib MiB of fp32
+        bound = SimpleNamespace(arguments={"param": torch.empty(10**9, device="meta"), "loaded_weight": loaded})
+        return name, SimpleNamespace(loaded_weights=[("weight", bound)])
+
+    completed = [layer("embed", 50), *(layer(f"block{i}", 10) for i in range(30)), layer("norm", 0), layer("lm_head", 50)]
+    order = [name for name, _ in processing_order(completed)]
+    assert order == [*(f"block{i}" for i in range(30)), "norm", "embed", "lm_head"]
 
 
 # --------------------------------------------------------------------------- #
@@ -626,7 +654,9 @@ def test_server_restarted_mid_training_with_warn(vllm_server: SharedVLLMServer, 
 
 
 def test_update_memory_benchmark_smoke(vllm_python, tmp_path):
-    """The worker-memory harness runs at its smallest size, one cell (each cell starts a server)."""
+    """The worker-memory harness runs at its smallest size, one cell (each
+    cell starts a server): a staged round into a server that receives in
+    mapped memory, delivered."""
     import json
     import subprocess
     import sys
@@ -635,14 +665,14 @@ def test_update_memory_benchmark_smoke(vllm_python, tmp_path):
 
     out = tmp_path / "memory.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/vllm_update_memory.py", "--size", "toy", "--rounds", "1", "--packed", "false",
-         "--all-or-nothing", "false", "--out", str(out)],
+        [sys.executable, "benchmarks/vllm_update_memory.py", "--size", "toy", "--rounds", "1", "--packed", "true",
+         "--all-or-nothing", "true", "--commit", "staged-mapped", "--out", str(out)],
         cwd=REPO_ROOT, env={**os.environ, "WT_VLLM_PYTHON": str(vllm_python)},
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     cells = json.loads(out.read_text())["cells"]
-    assert [c["config"] for c in cells] == [{"packed": False, "all_or_nothing": False}]
+    assert [(c["config"], c["commit"]) for c in cells] == [({"packed": True, "all_or_nothing": True}, "staged-mapped")]
     assert cells[0]["peak_growth_mib"] >= 0 and len(cells[0]["push_s"]) == 1, cells
 
 

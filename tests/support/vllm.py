@@ -120,6 +120,12 @@ middleware): the fault and stranger tests need auth on, and every other test
 simply sends the key."""
 
 
+SHARED_ENV = {"WT_STAGING_MEMORY": "mapped"}
+"""The shared server receives the rounds it holds whole in mapped memory;
+the servers of the other topologies (TP, DP, PP, other hosts, Ray) in the
+heap, the default."""
+
+
 class SharedVLLMServer:
     """One fp32 vLLM server for the whole test session (a start costs 30-60 s).
 
@@ -147,7 +153,9 @@ class SharedVLLMServer:
         self._starts += 1
         log = self.log_dir / f"shared-{self._starts}.log"
         try:
-            self._server = start_vllm_server(self.python, self.model_dir, log, port=self.port, api_key=SHARED_API_KEY)
+            self._server = start_vllm_server(
+                self.python, self.model_dir, log, port=self.port, api_key=SHARED_API_KEY, extra_env=SHARED_ENV
+            )
         except VLLMStartError as e:
             pytest.fail(str(e))
         return self._server

@@ -15,7 +15,8 @@ agree on everything, so both live in this package, one concern per module:
 * ``waits``: server calls on daemon threads and bounded waits on broadcasts.
 * ``trainer``: ``TorchDistTrainerWeightTransferEngine``.
 * ``worker``: ``TorchDistWeightTransferEngine`` (vLLM's plugin and the
-  reference receiver run it).
+  reference receiver run it); ``staging``: what it stages a round into, and
+  the server's settings for that (``WT_STAGING_NICE``, ``WT_STAGING_MEMORY``).
 """
 
 from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, open_store

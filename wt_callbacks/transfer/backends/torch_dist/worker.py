@@ -21,6 +21,7 @@ from wt_callbacks.transfer.backends.torch_dist.session import (
     check_init_authorized,
     check_update_session,
 )
+from wt_callbacks.transfer.backends.torch_dist.staging import staging_memory, staging_nice
 from wt_callbacks.transfer.backends.torch_dist.wire import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -34,8 +35,7 @@ from wt_callbacks.transfer.base import (
     WeightTransferError,
     in_daemon_thread,
 )
-from wt_callbacks.transfer.packing import broadcast_packed, receive_packed
-from wt_callbacks.transfer.validation import check_niceness
+from wt_callbacks.transfer.packing import broadcast_packed, mapped_buffers, receive_packed
 
 logger = logging.getLogger(__name__)
 
@@ -55,21 +55,8 @@ class ReceiveStats:
     bytes: int
     seconds: float
     waiting_s: float
-
-
-class StagedTensors:
-    """Where a host that applies a staged round at finish (the vLLM plugin)
-    receives it: the round's ``(name, tensor)`` pairs as they arrived, views
-    of the receive buffers, which hold a whole round (each chunk its own,
-    kept until the next round is received)."""
-
-    copies_loaded_tensors = False
-
-    def __init__(self) -> None:
-        self.tensors: list[tuple[str, torch.Tensor]] = []
-
-    def load_weights(self, weights: Any) -> None:
-        self.tensors.extend(weights)
+    mapped: bool = False
+    """It came in memory mapped for it (``WT_STAGING_MEMORY=mapped``)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +130,7 @@ class TorchDistWeightTransferEngine(
         self._receive_buffers: list[torch.Tensor] | None = [] if device.type == "cpu" else None
         self._staging: _Staging | None = None
         self._staging_nice = staging_nice()
+        self.staging_memory = staging_memory()
 
     def worker_rank(self, init_info: TorchDistWeightTransferInitInfo) -> int:
         pc = self.parallel_config
@@ -342,6 +330,7 @@ class TorchDistWeightTransferEngine(
         """Receive the update from ``group`` (of the session ``info``) into ``model.load_weights``."""
         metas = list(zip(update_info.dtypes, update_info.shapes))
         started, waiting = time.perf_counter(), 0.0
+        mapped: list[torch.Tensor | None] | None = None
 
         def wait(work: Any) -> None:
             nonlocal waiting
@@ -350,6 +339,13 @@ class TorchDistWeightTransferEngine(
             waiting += time.perf_counter() - start
 
         if info.packed:
+            copies = bool(getattr(model, "copies_loaded_tensors", False))
+            host = group.device.type == "cpu"
+            # A target that keeps views holds the whole round; ``mapped``
+            # (``WT_STAGING_MEMORY``) gives it memory the OS takes back chunk
+            # by chunk as it lets go, where the cache and the heap keep it.
+            if host and not copies and self.staging_memory == "mapped":
+                mapped = mapped_buffers(metas, info.packed_buffer_size_bytes)
             tensors = receive_packed(
                 metas,
                 buffer_size_bytes=info.packed_buffer_size_bytes,
@@ -357,10 +353,11 @@ class TorchDistWeightTransferEngine(
                 broadcast=group.broadcast,
                 wait=wait,
                 device=group.device,
-                buffers=self._receive_buffers if group.device.type == "cpu" else None,
-                loader_copies=bool(getattr(model, "copies_loaded_tensors", False)),
+                buffers=self._receive_buffers if host else None,
+                loader_copies=copies,
                 destinations=_destinations(model, update_info),
                 receive_parts=group.broadcast_parts,
+                chunk_buffers=mapped,
             )
         else:
             tensors = _receive_unpacked(group, metas, wait)
@@ -373,7 +370,7 @@ class TorchDistWeightTransferEngine(
             self._leave(group)
             raise
         nbytes = sum(dtype.itemsize * torch.Size(shape).numel() for dtype, shape in metas)
-        self.last_receive = ReceiveStats(len(metas), nbytes, time.perf_counter() - started, waiting)
+        self.last_receive = ReceiveStats(len(metas), nbytes, time.perf_counter() - started, waiting, mapped is not None)
 
     def _leave(self, group: TransferGroup) -> None:
         """Leave ``group`` if it is still the session's (a staging thread's
@@ -415,35 +412,6 @@ class TorchDistWeightTransferEngine(
         else:
             for tensor in tensors:
                 broadcast(tensor.contiguous()).wait()
-
-
-STAGING_NICE_ENV = "WT_STAGING_NICE"
-"""The niceness (0-19, default 0) the thread a staged round is received
-(and, under ``commit: prepared``, processed) on in a server's process runs
-at, at least."""
-
-
-def staging_nice() -> int:
-    """``WT_STAGING_NICE`` of this process, checked (at the engine's start).
-
-    Staging runs beside generation on the server's cores. A server saturated
-    with requests slows them for the length of every staged round; a higher
-    niceness gives generation the cores first, and the round takes longer:
-    measured under 8 streaming clients on 2 cores (``commit: prepared``, 74M
-    fp32), p99 latency of requests straddling a sync over those clear of
-    syncs 1.63 at 0, 1.26 at 10 and 1.19 at 19, rounds taking 0.64 s, 1.82 s
-    and 4.6 s. Worth it where rounds are off the trainer's critical path
-    (``send: async``); under ``send: blocking`` the trainer waits for them.
-    A round may ask for more (its ``staging_nice``), never for less."""
-    value = os.environ.get(STAGING_NICE_ENV, "").strip()
-    if not value:
-        return 0
-    try:
-        nice = int(value)
-    except ValueError:
-        nice = -1
-    check_niceness(STAGING_NICE_ENV, nice, shown=value)
-    return nice
 
 
 def _destinations(model: Any, update_info: TorchDistWeightTransferUpdateInfo) -> list[torch.Tensor | None] | None:
