@@ -32,7 +32,8 @@ Into a CPU server they halve the seconds of a push (``benchmarks/README.md``):
   the worker's resident memory stays at its peak instead. This is what
   vLLM's recommended tcmalloc does on CPU (and tcmalloc ignores these).
   Bounded (``HeapBound``): where a worker grows past twice its largest
-  round over its size after its first round, the freed memory goes back to
+  round over its size after its first round, and after every round received
+  in mapped memory (``WT_STAGING_MEMORY``), the freed memory goes back to
   the OS.
 
 Both pollings lean on vLLM internals that an upgrade may move; where they are
@@ -253,6 +254,8 @@ class HeapBound:
     +241-948 MB. A round after a trim page-faults its memory in again: under
     that load staged and prepared rounds took 1.2-1.5x as long at two
     rounds' allowance, 1.5-1.9x at one. An idle server stays under it.
+    After a round received in mapped memory the heap is trimmed whatever it
+    holds (``after_round``'s ``trim``).
     """
 
     def __init__(self) -> None:

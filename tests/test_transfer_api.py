@@ -45,7 +45,7 @@ from wt_callbacks.transfer.backends.torch_dist import (
 )
 from wt_callbacks.transfer.base import finish_with_version
 from wt_callbacks.transfer.server_group import assign_rank_offsets
-from wt_callbacks.transfer.packing import CastPart, broadcast_packed, mapped_buffers, plan_chunks, receive_packed
+from wt_callbacks.transfer.packing import CastPart, broadcast_packed, plan_chunks, receive_packed
 from wt_callbacks.receiver import _host_config
 
 LOCAL = {"master_address": "127.0.0.1", "master_port": 0, "rank": 0}
@@ -282,7 +282,7 @@ MAPPED_PROBE = """
 import torch
 from wt_callbacks.host_memory import status_bytes
 from wt_callbacks.integrations.vllm_cpu_tuning import keep_freed_host_memory
-from wt_callbacks.transfer.packing import mapped_buffers, receive_packed
+from wt_callbacks.transfer.packing import receive_packed
 
 keep_freed_host_memory(torch.device("cpu"))  # the vLLM worker's malloc settings: freed memory is kept
 MiB = 1 << 20
@@ -291,7 +291,7 @@ for mapped in (False, True):
     payloads = iter([torch.full((8 * MiB,), float(i)).view(torch.uint8) for i in range(3)])
     views = list(receive_packed(
         metas, buffer_size_bytes=16 * MiB, num_buffers=2, broadcast=lambda buf: buf.copy_(next(payloads)),
-        wait=lambda work: None, chunk_buffers=mapped_buffers(metas, 16 * MiB) if mapped else None,
+        wait=lambda work: None, mapped=mapped,
     ))
     assert [float(v[-1]) for v in views] == [0.0, 1.0, 2.0]
     held = status_bytes("RssAnon")
@@ -301,7 +301,7 @@ for mapped in (False, True):
 
 
 def test_mapped_round_buffers_go_back_to_the_os_as_their_last_view_goes():
-    """``mapped_buffers``: each chunk in memory of its own, which
+    """A round received ``mapped``: each chunk in memory of its own, which
     leaves the process the moment the loader drops the chunk's last view,
     where the heap of a vLLM worker (which keeps freed memory) keeps it; the
     views read what was received either way. A process of its own: it changes
@@ -418,31 +418,29 @@ def test_receive_buffers_rotate_only_for_a_loader_that_copies(loader_copies):
         assert len(cache) == (3 if loader_copies else len(payloads))
 
 
-def test_a_round_is_received_into_the_buffers_made_for_it_and_the_list_lets_go_of_them():
-    """Buffers made for a round (``mapped_buffers``) are the ones its chunks
-    arrive in, one per chunk, and the list hands each over as its chunk is
-    posted: the loader's views are what keep it."""
-    tensors = [torch.full((n,), float(i)) for i, n in enumerate([3, 5, 2, 9, 1, 4])]
+def test_a_mapped_round_comes_in_a_mapping_per_chunk_and_keeps_no_buffer():
+    """``mapped``: every chunk is received into memory of its own, not into
+    the buffers kept between rounds, which are let go (a loader copying
+    through them kept some); a chunk of zero-size tensors maps nothing."""
+    tensors = [torch.full((n,), float(i)) for i, n in enumerate([3, 5, 2, 9, 1, 4])] + [torch.empty(0)]
     metas = [(torch.float32, [t.numel()]) for t in tensors]
     nbytes = [t.numel() * 4 for t in tensors]
     chunks = plan_chunks(nbytes, 16)
-    made = mapped_buffers(metas, 16)
-    assert [b.numel() for b in made] == [sum(nbytes[i] for i in chunk) for chunk in chunks]
-    ptrs = {b.data_ptr() for b in made}
     payloads = iter([torch.cat([tensors[i].view(torch.uint8) for i in chunk]) for chunk in chunks])
     posted_into = []
 
     def broadcast(buf):
-        posted_into.append(buf.data_ptr())
+        posted_into.append(buf.untyped_storage().data_ptr())
         buf.copy_(next(payloads))
 
-    cache: list[torch.Tensor] = []
+    cache = [torch.empty(64, dtype=torch.uint8)]  # an earlier round's
     received = list(receive_packed(
         metas, buffer_size_bytes=16, num_buffers=2, broadcast=broadcast, wait=lambda work: None, buffers=cache,
-        chunk_buffers=made,
+        mapped=True,
     ))  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(received, tensors))
-    assert set(posted_into) == ptrs and made == [None] * len(chunks) and not cache
+    sent = [chunk for chunk in chunks if sum(nbytes[i] for i in chunk)]
+    assert len(set(posted_into)) == len(posted_into) == len(sent) and not cache
 
 
 def test_a_broadcast_that_completes_as_a_wait_slice_runs_out_is_received():

@@ -72,25 +72,6 @@ def plan_chunks(nbytes: Sequence[int], buffer_size_bytes: int) -> list[range]:
     return chunks
 
 
-def mapped_buffers(
-    metas: Sequence[tuple[torch.dtype, Sequence[int]]], buffer_size_bytes: int
-) -> list[torch.Tensor | None]:
-    """A host buffer for every chunk of a round, for ``receive_packed``'s
-    ``chunk_buffers``: each in anonymous memory mapped for it alone, which
-    the OS takes back the moment the chunk's last view is dropped, where a
-    heap that keeps freed memory (a vLLM worker's) would keep it. Made
-    without touching their pages."""
-    sizes = [_numel(shape) * dtype.itemsize for dtype, shape in metas]
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    buffers: list[torch.Tensor | None] = []
-    for chunk in plan_chunks(sizes, buffer_size_bytes):
-        n = sum(sizes[i] for i in chunk)
-        # A tensor over a mapping keeps the mapping object, which unmaps when
-        # the tensor's storage goes; a chunk of zero-size tensors maps nothing.
-        buffers.append(torch.frombuffer(mmap.mmap(-1, n, flags=flags), dtype=torch.uint8) if n else None)
-    return buffers
-
-
 def slot_capacities(nbytes: Sequence[int], chunks: Sequence[range], num_buffers: int) -> list[int]:
     """Bytes each rotating buffer needs: chunk i travels in buffer ``i % num_buffers``."""
     capacities = [0] * num_buffers
@@ -281,7 +262,7 @@ def receive_packed(
     loader_copies: bool = False,
     destinations: Sequence[torch.Tensor | None] | None = None,
     receive_parts: BroadcastParts | None = None,
-    chunk_buffers: list[torch.Tensor | None] | None = None,
+    mapped: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Receiver side: yield one tensor per ``(dtype, shape)`` in order.
 
@@ -314,20 +295,19 @@ def receive_packed(
     tensor to convert must sit at an offset of its chunk aligned to its
     dtype; a chunk where one does not comes in a buffer.
 
-    ``chunk_buffers``: instead of ``buffers``, the round's own buffers, one
-    per chunk (``mapped_buffers`` of these ``metas``), each taken out of the
-    list as its chunk is posted: it lives as long as the loader's views of
-    it, so a loader that drops a chunk's views (vLLM's processing of its
-    layers) frees it before the round ends.
+    ``mapped``: each chunk comes in anonymous memory mapped for it alone
+    (``buffers`` is emptied and not used), which the OS takes back the moment
+    the loader dropped its last view of the chunk, where a heap that keeps
+    freed memory (a vLLM worker's) would keep it.
     """
     sizes = [_numel(shape) * dtype.itemsize for dtype, shape in metas]
     chunks = plan_chunks(sizes, buffer_size_bytes)
     chunk_bytes = [sum(sizes[i] for i in chunk) for chunk in chunks]
     slots = max(num_buffers, 1) + 1 if loader_copies else len(chunks)
     capacities = slot_capacities(sizes, chunks, slots)
-    cache = buffers if chunk_buffers is None else None
-    if cache is not None:
-        del cache[slots:]  # what a larger round before this one cached
+    cache = None if mapped else buffers
+    if buffers is not None:
+        del buffers[0 if mapped else slots :]  # what a larger (or a mapped) round does not use
     pending: list[tuple[range, torch.Tensor | list[torch.Tensor], Any]] = []
     next_chunk = 0
 
@@ -354,9 +334,7 @@ def receive_packed(
 
     def post() -> None:
         nonlocal next_chunk
-        chunk, made = chunks[next_chunk], None
-        if chunk_buffers is not None:
-            made, chunk_buffers[next_chunk] = chunk_buffers[next_chunk], None
+        chunk = chunks[next_chunk]
         found = direct(chunk)
         if found is not None:
             assert receive_parts is not None
@@ -365,8 +343,10 @@ def receive_packed(
             next_chunk += 1
             return
         slot, size = next_chunk % slots, chunk_bytes[next_chunk]
-        if made is not None:
-            buf = made
+        if mapped and size:
+            # A tensor over a mapping keeps the mapping object, which unmaps
+            # when the tensor's storage goes.
+            buf = torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
         elif cache is not None and slot < len(cache) and cache[slot].numel() >= capacities[slot]:
             buf = cache[slot]
         else:

@@ -35,7 +35,7 @@ from wt_callbacks.transfer.base import (
     WeightTransferError,
     in_daemon_thread,
 )
-from wt_callbacks.transfer.packing import broadcast_packed, mapped_buffers, receive_packed
+from wt_callbacks.transfer.packing import broadcast_packed, receive_packed
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ class TorchDistWeightTransferEngine(
         """Receive the update from ``group`` (of the session ``info``) into ``model.load_weights``."""
         metas = list(zip(update_info.dtypes, update_info.shapes))
         started, waiting = time.perf_counter(), 0.0
-        mapped: list[torch.Tensor | None] | None = None
+        mapped = False
 
         def wait(work: Any) -> None:
             nonlocal waiting
@@ -344,8 +344,7 @@ class TorchDistWeightTransferEngine(
             # A target that keeps views holds the whole round; ``mapped``
             # (``WT_STAGING_MEMORY``) gives it memory the OS takes back chunk
             # by chunk as it lets go, where the cache and the heap keep it.
-            if host and not copies and self.staging_memory == "mapped":
-                mapped = mapped_buffers(metas, info.packed_buffer_size_bytes)
+            mapped = host and not copies and self.staging_memory == "mapped"
             tensors = receive_packed(
                 metas,
                 buffer_size_bytes=info.packed_buffer_size_bytes,
@@ -357,7 +356,7 @@ class TorchDistWeightTransferEngine(
                 loader_copies=copies,
                 destinations=_destinations(model, update_info),
                 receive_parts=group.broadcast_parts,
-                chunk_buffers=mapped,
+                mapped=mapped,
             )
         else:
             tensors = _receive_unpacked(group, metas, wait)
@@ -370,7 +369,7 @@ class TorchDistWeightTransferEngine(
             self._leave(group)
             raise
         nbytes = sum(dtype.itemsize * torch.Size(shape).numel() for dtype, shape in metas)
-        self.last_receive = ReceiveStats(len(metas), nbytes, time.perf_counter() - started, waiting, mapped is not None)
+        self.last_receive = ReceiveStats(len(metas), nbytes, time.perf_counter() - started, waiting, mapped)
 
     def _leave(self, group: TransferGroup) -> None:
         """Leave ``group`` if it is still the session's (a staging thread's
