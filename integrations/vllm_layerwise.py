@@ -98,11 +98,11 @@ def processing_deferred(large_last: bool = False) -> Iterator[None]:
     (``packed=False``; ``transport="nccl"``, whose chunks live in device
     memory; chunks in mapped memory, ``WT_STAGING_MEMORY``, which go back to
     the OS once the layers they fed were processed) they now stay until the
-    update ends: up to one more copy of the model in the wire dtype. What it costs in time is the overlap of
-    processing with receiving. A layer loaded again after it completed (a
-    name sent twice) is now loaded again, where vLLM dropped the extra load.
-    The unit is one ``update_weights``: a round split over several keeps
-    what its earlier updates applied.
+    update ends: up to one more copy of the model in the wire dtype. What it
+    costs in time is the overlap of processing with receiving. A layer loaded
+    again after it completed (a name sent twice) is now loaded again, where
+    vLLM dropped the extra load. The unit is one ``update_weights``: a round
+    split over several keeps what its earlier updates applied.
     """
     from vllm.model_executor.model_loader.reload import layerwise
 
