@@ -1,5 +1,6 @@
 import os
 import time
+import warnings
 
 import pytest
 
@@ -26,6 +27,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     vllm_files = {item.path for item in items if _uses_vllm(item)}
     items.sort(key=lambda item: item.path not in vllm_files)  # stable: file order within each part
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_default_process_group_left(request):
+    """A test file that leaves torch's default process group up (a strategy
+    or hook started in this process that does not end it) makes the next
+    file this pytest worker runs fail to start its own ("trying to
+    initialize the default process group twice"), depending on how xdist
+    shared out the files: it is ended after each file, with a warning that
+    names the file."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        warnings.warn(f"{request.module.__name__} left torch's default process group up; ended it", stacklevel=1)
+        dist.destroy_process_group()
 
 
 @pytest.fixture
