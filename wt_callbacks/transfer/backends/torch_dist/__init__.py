@@ -7,7 +7,8 @@ tensors, packed into chunks. Ranks: the trainer is 0, a worker is
 agree on everything, so both live in this package, one concern per module:
 
 * ``wire``: the typed configs and the dicts exchanged (vLLM's dense ``nccl`` ones).
-* ``group``: the rendezvous store and the ``TransferGroup``.
+* ``group``: the rendezvous store and the ``TransferGroup``; ``rendezvous``:
+  the trainer forming it with the servers' workers.
 * ``addresses``: the address the trainer advertises (where the servers run).
 * ``shm_ring``: the ``shm`` transport, a ring in ``/dev/shm`` on one host;
   ``shm_files`` (its file), ``shm_negotiation`` (whether a group uses it),

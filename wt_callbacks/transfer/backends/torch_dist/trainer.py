@@ -1,4 +1,4 @@
-"""The trainer engine of ``torch_dist``: rendezvous, then one packed broadcast per round."""
+"""The trainer engine of ``torch_dist``: one packed broadcast per round, over the group ``rendezvous`` formed."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from wt_callbacks.transfer.backends.torch_dist.addresses import advertised_address, is_loopback
-from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup, open_store, wait_at_exit
-from wt_callbacks.transfer.backends.torch_dist.session import new_session_id, session_proof
-from wt_callbacks.transfer.backends.torch_dist.waits import raise_if_failed, wait_for_work
+from wt_callbacks.transfer.backends.torch_dist.group import TransferGroup
+from wt_callbacks.transfer.backends.torch_dist.rendezvous import rendezvous
+from wt_callbacks.transfer.backends.torch_dist.waits import wait_for_work
 from wt_callbacks.transfer.backends.torch_dist.wire import (
     BACKEND,
     TorchDistTrainerConfig,
@@ -40,7 +39,6 @@ from wt_callbacks.transfer.base import (
     in_daemon_thread,
     source_metadata,
 )
-from wt_callbacks.transfer.server_group import group_world_size
 from wt_callbacks.transfer.packing import broadcast_packed, plan_chunks, slot_capacities
 from wt_callbacks.transfer.sources.snapshot import HostSnapshot
 from wt_callbacks.transfer.validation import check_niceness, checked_stream
@@ -71,7 +69,6 @@ class _TimedIterator(Generic[T]):
             self.seconds += time.perf_counter() - t0
         self.count += 1
         return item
-
 
 
 class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDistTrainerInitInfo]):
@@ -139,123 +136,9 @@ class TorchDistTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchDist
             engine._rendezvous(init_info)
         return engine
 
-    def _transport(self, master_address: str) -> str:
-        if self.config.transport == "nccl" and not torch.cuda.is_available():
-            raise ValueError(
-                "transport='nccl' needs CUDA on the trainer, and this process has no CUDA device; use "
-                "transport 'auto' (the shm ring to this host's servers, gloo to others) or 'gloo'"
-            )
-        if self.config.transport != "auto":
-            return self.config.transport
-        if torch.cuda.is_available() and not isinstance(self.source, HostSnapshot):
-            return "nccl"
-        # A loopback master means every server runs on this host (loopback
-        # towards another host is refused: ``addresses``), so the ring is
-        # worth offering; the negotiation still checks each worker shares
-        # this /dev/shm (a container may not). A trainer on another host
-        # than a server never offers it.
-        return "shm" if is_loopback(master_address) else "gloo"
-
-    def _master_address(self, given: str | None) -> str:
-        """The address the workers reach this trainer at: ``given``, or the
-        one this host reaches the servers from (``addresses``), asked from
-        the client's ``server_hosts()`` where it has one."""
-        server_hosts = getattr(self.client, "server_hosts", None)
-        hosts = None
-        if callable(server_hosts):
-            hosts = bounded(server_hosts, "server_hosts", within_s=self.config.timeout_s)
-        address = advertised_address(hosts, given)
-        if given is None and not is_loopback(address):
-            logger.info(
-                "torch_dist: advertising %s, this host's address towards the servers on %s", address, ", ".join(hosts or ())
-            )
-        return address
-
     def _rendezvous(self, init_info: TorchDistTrainerInitInfo) -> None:
-        timeout_s = self.config.timeout_s
-        master_address = self._master_address(init_info.master_address)
-        transport = self._transport(master_address)
-        world_size = bounded(
-            lambda: group_world_size(self.client, init_info.world_size), "get_world_size", within_s=timeout_s
-        )
-        device = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else torch.device("cpu")
-        master = open_store(master_address, init_info.master_port, world_size, is_master=True, timeout_s=timeout_s)
-        port = master.port
-        session_id = new_session_id()
-        self.worker_init_info = {
-            "master_address": master_address,
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": world_size,
-            "packed": self.config.packed,
-            "packed_buffer_size_bytes": self.config.packed_buffer_size_bytes,
-            "packed_num_buffers": self.config.packed_num_buffers,
-            "timeout_s": timeout_s,
-            "transport": transport,
-            "session_id": session_id,
-        }
-        if not self.config.all_or_nothing:
-            self.worker_init_info["all_or_nothing"] = False
-        # The client holds the servers' token; a server that has one checks
-        # this proof of it (``session``).
-        api_key = getattr(self.client, "api_key", None)
-        if api_key:
-            self.worker_init_info["session_proof"] = session_proof(api_key, session_id, master_address, port)
-        payload = dict(self.worker_init_info)
-        # The group joins through a client of the store, not the store server
-        # itself: giving up, this thread closes the server, which ends a join
-        # still waiting for workers at once (left to run out its timeout, it
-        # holds the port, and a process exiting meanwhile aborts in it). The
-        # client connects here, while the server surely listens: connecting on
-        # the join's thread, it could find the server already closed by a
-        # fast failure below, and TCPStore then retries its connect in C++ for
-        # twice timeout_s, past any exit wait.
-        store = open_store(master_address, port, world_size, is_master=False, timeout_s=timeout_s)
-        server_call = in_daemon_thread(lambda: self.client.init_weight_transfer_engine(payload), "wt-init")
-        joined = in_daemon_thread(
-            lambda: TransferGroup.connect(
-                store,
-                master_address=master_address,
-                rank=0,
-                world_size=world_size,
-                timeout_s=timeout_s,
-                transport=transport,
-                device=device,
-                session_id=session_id,
-                fallback_to_gloo=self.config.transport == "auto",
-            ),
-            "wt-rendezvous",
-        )
-        try:
-            # The join may take timeout_s for the group and again for the ring.
-            deadline = time.monotonic() + 2 * timeout_s + 5
-            while not (joined.done() and server_call.done()):
-                raise_if_failed(server_call, "init_weight_transfer_engine")
-                if joined.done() and joined.exception() is not None:
-                    raise joined.exception()
-                if time.monotonic() > deadline:
-                    raise WeightTransferError(
-                        f"rendezvous with the servers did not finish within timeout_s={timeout_s:g}"
-                    )
-                time.sleep(0.01)
-            raise_if_failed(server_call, "init_weight_transfer_engine")
-        except BaseException:
-            # A group the join still forms after we gave up has no owner: it
-            # would keep its ring and heartbeat alive for good.
-            joined.add_done_callback(lambda f: f.exception() is None and f.result().destroy())
-            # Closing the store ends a join still waiting for it at once; the
-            # join's thread is then on its way out of gloo's C++ code, and a
-            # process that exits now (this error, uncaught) waits for it.
-            del master
-            wait_at_exit(joined, 2 * timeout_s + 5)
-            raise
-        self.group = joined.result()
-        self.group.keep_store_server(master)
-        self.session_id = session_id
-        logger.info(
-            "torch_dist: %s group of %d ranks formed on %s:%d",
-            self.group.transport, world_size, master_address, port,
-        )
+        met = rendezvous(self.client, self.config, init_info, host_snapshot=isinstance(self.source, HostSnapshot))
+        self.group, self.worker_init_info, self.session_id = met.group, met.worker_init_info, met.session_id
 
     def send_weights(
         self,
