@@ -14,6 +14,14 @@ WORKERS="${WT_TEST_WORKERS:-3}"
 case "$WORKERS" in
   '' | *[!0-9]*) echo "WT_TEST_WORKERS must be a number of workers, got '$WORKERS'" >&2; exit 2 ;;
 esac
+# Both venvs, pip's downloads and the tiny models take about 6 GiB: a full
+# disk otherwise shows only as pip's "No space left on device" mid-install.
+for dir in . "${TMPDIR:-/tmp}"; do
+  free_kib=$(df -Pk "$dir" 2>/dev/null | awk 'NR == 2 {print $4}')
+  if [ -n "$free_kib" ] && [ "$free_kib" -lt $((7 * 1024 * 1024)) ]; then
+    echo "warning: $(( free_kib / 1024 )) MiB free at $(cd "$dir" && pwd); a full setup needs about 6 GiB" >&2
+  fi
+done
 vllm_pid="" vllm_log=""
 # An interrupted run must not leave a vLLM install going that the next run would race.
 trap '[ -n "$vllm_pid" ] && kill -- "-$vllm_pid" 2>/dev/null; [ -n "$vllm_log" ] && rm -f "$vllm_log"' EXIT
