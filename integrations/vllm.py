@@ -160,6 +160,7 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             self._unprepared: set[str] = set()  # why prepared rounds were staged, said once at WARNING
 
         def start_weight_update(self) -> None:
+            super().start_weight_update()
             # Layerwise reload turns every layer into meta tensors until its
             # weights arrive. Begun here, a round whose update never arrives
             # (its trainer killed, or the call lost while the server was
@@ -376,8 +377,10 @@ def _engine_class() -> type[TorchDistWeightTransferEngine]:
             # (its shape asserts do not).
             self.model = tracker
             try:
-                # The chunks of a round in mapped memory are freed as its layers are processed.
-                mapped = self.staging_memory == "mapped"
+                # The chunks of a round received in mapped memory are freed
+                # as its layers are processed (a round that copies, or comes
+                # unpacked, is not mapped whatever the setting).
+                mapped = lambda: self.last_receive is not None and self.last_receive.mapped  # noqa: E731
                 deferred = contextlib.nullcontext() if layerwise else processing_deferred(large_last=mapped)
                 with disable_mtp_completeness_check(), deferred:
                     yield tracker

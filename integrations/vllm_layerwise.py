@@ -19,7 +19,7 @@ rather than serve stale weights.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -81,12 +81,14 @@ def layerwise_replaced(**functions: Any) -> Iterator[None]:
 
 
 @contextmanager
-def processing_deferred(large_last: bool = False) -> Iterator[None]:
+def processing_deferred(large_last: Callable[[], bool] | None = None) -> Iterator[None]:
     """Layers that complete while an update streams are processed (their new
     weights copied into the served tensors) only once every tensor of the
-    update has been received, in the order they completed (with
-    ``large_last``, the large ones last: ``processing_order``); if the body
-    raises, none is, and every layer still holds its previous weights.
+    update has been received, in the order they completed (the large ones
+    last, ``processing_order``, where ``large_last()``, asked once the body
+    ended, says so: whether the round came in mapped memory is known only
+    then); if the body raises, none is, and every layer still holds its
+    previous weights.
 
     Layerwise reload processes a layer the moment its last element arrives,
     so a round cut mid-stream would keep the layers it completed new and
@@ -114,7 +116,10 @@ def processing_deferred(large_last: bool = False) -> Iterator[None]:
 
     with layerwise_replaced(_layerwise_process=defer):
         yield
-    for layer, info in processing_order(list(completed.values())) if large_last else completed.values():
+    in_order = list(completed.values())
+    if large_last is not None and large_last():
+        in_order = processing_order(in_order)
+    for layer, info in in_order:
         real_process(layer, info)
         layerwise.LOADING_LAYERS.discard(layer)
 

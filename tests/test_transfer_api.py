@@ -1174,6 +1174,13 @@ def test_static_trainer_send_weights_older_call_style(receiver, packed):
     )
     receiving.join(10)
     client.finish_weight_update("static")
+    engine = receiver.core.engine
+    assert engine.last_receive is not None and engine.last_receive.tensors == 2
+    # What a round's finish reports is that round's receive: a round that
+    # received nothing reports nothing, not the round before it.
+    client.start_weight_update()
+    assert engine.last_receive is None
+    client.finish_weight_update()
     group.destroy()
     assert module_checksums(receiver.model) == module_checksums(model)
     with pytest.raises(ValueError, match="trainer_args: missing required key 'group'"):

@@ -111,7 +111,8 @@ class TorchDistWeightTransferEngine(
     (a trainer that gave up on the round leaves the group before the
     clean-up finish it sends).
 
-    ``last_receive``: the ``ReceiveStats`` of the last update that completed.
+    ``last_receive``: the ``ReceiveStats`` of the round's update, once it
+    completed (``None`` from ``start_weight_update`` until then).
     """
 
     init_info_cls = TorchDistWeightTransferInitInfo
@@ -179,8 +180,12 @@ class TorchDistWeightTransferEngine(
         self.group, self.init_info = group, init_info
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the reference receiver stages in its target,
-        the vLLM plugin adds layerwise reload here."""
+        """A round begins: ``last_receive`` is cleared, so that what the
+        round's finish reports (and, in the vLLM plugin, whether it trims the
+        heap) is this round's receive, never an earlier one's. Nothing else to
+        prepare: the reference receiver stages in its target, the vLLM plugin
+        adds layerwise reload here."""
+        self.last_receive = None
 
     def finish_weight_update(self) -> None:
         """Wait for a staged update (``finish_staging``); nothing else to finalize."""
