@@ -87,9 +87,12 @@ class FSDP2TrainerRank:
         fully_shard(self.model, mesh=mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
-    def trainer_init(self, transfer_port: int, receiver) -> None:
+    def trainer_init(self, receiver) -> None:
+        # master_port=0: rank 0's store takes a port free when it listens. A
+        # port picked free beforehand (free_port) was taken by another
+        # process before the store listened, once in CI (EADDRINUSE).
         init_info = TorchDistTrainerInitInfo(
-            master_address="127.0.0.1", master_port=transfer_port, world_size=2, packed=True, rank=self.rank
+            master_address="127.0.0.1", master_port=0, world_size=2, packed=True, rank=self.rank
         )
         self.engine = WeightTransferTrainerFactory.trainer_init(
             init_info, client=RayVLLMWeightSyncClient(receiver, timeout=60), source=ModuleSource(self.model)
@@ -121,7 +124,7 @@ def test_fsdp2_trainer_whose_ranks_are_ray_actors(ray_cluster):
     group_port = free_port()
     ranks = [rank_cls.remote(rank, 2, group_port) for rank in range(2)]
     try:
-        ray.get([r.trainer_init.remote(free_port() if i == 0 else 0, receiver) for i, r in enumerate(ranks)], timeout=120)
+        ray.get([r.trainer_init.remote(receiver) for r in ranks], timeout=120)
         for version in ("rl-1", "rl-2"):
             ray.get([r.train_step.remote() for r in ranks], timeout=60)
             ray.get([r.send_weights.remote() for r in ranks], timeout=120)
